@@ -1,0 +1,35 @@
+# The README's commands. Each sets up .venv if needed, so a fresh clone needs only python3 and make.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch by default (this is what a laptop or CI has); on a GPU
+# machine pass e.g. TORCH_SPEC="torch==2.13.0" with the CUDA index you need.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) jobs/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check platform jobs tests
+	$(VENV)/bin/ruff format --check platform jobs tests
+
+bench: $(STAMP)
+	$(PY) jobs/bench_train.py
+
+clean:
+	rm -rf runs data/demo .pytest_cache

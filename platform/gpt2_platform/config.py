@@ -1,0 +1,325 @@
+"""Run configuration: dataclasses loaded from YAML, with `--set a.b=c` overrides.
+
+The YAML recipes in `jobs/configs/` mirror this tree. Every field has a
+default, a docstring and validation that names the field when it is wrong.
+The resolved config is saved beside every checkpoint (`config.yaml`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+DataFormat = Literal["auto", "text", "jsonl", "parquet"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    """Architecture preset: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl (ignored when init_from is set)."""
+    init_from: str | None = None
+    """Start from these weights: a local Hugging Face directory or a hub name (e.g. openai-community/gpt2)."""
+    dropout: float = 0.0
+    """Dropout probability for embeddings, attention output and MLP output."""
+
+    def __post_init__(self) -> None:
+        from gpt2_platform.model import PRESETS
+
+        if self.init_from is None and self.preset not in PRESETS:
+            raise ConfigError(f"model.preset {self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = field(default_factory=list)
+    """Training files: local paths, directories or globs (.txt, .jsonl/.json, .parquet)."""
+    format: DataFormat = "auto"
+    """File format; auto picks it from each file's extension."""
+    text_column: str = "text"
+    """Column (Parquet) or key (JSONL) holding the text."""
+    tokenizer: str = "byte"
+    """Tokenizer: 'byte' (offline byte-level), a local directory or a hub name."""
+    block_size: int = 128
+    """Tokens per training sequence; at most the model's context length."""
+    val_fraction: float = 0.05
+    """Fraction of blocks held out for validation."""
+    seed: int = 0
+    """Seed for the train/validation split."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.paths, str):
+            self.paths = [self.paths]
+        if self.block_size < 2:
+            raise ConfigError(f"data.block_size must be at least 2, got {self.block_size}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if not self.text_column:
+            raise ConfigError("data.text_column must not be empty")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    """Peak learning rate after warmup."""
+    min_lr: float = 6e-5
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Optimizer steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not biases, LayerNorms)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"optim.lr must be a positive finite number, got {self.lr}")
+        if not (0 <= self.min_lr <= self.lr):
+            raise ConfigError(f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    """Optimizer steps to train for (the run ends there; a resumed run continues to it)."""
+    micro_batch_size: int = 8
+    """Sequences per worker per forward/backward pass."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (ignored if global_batch_size is set)."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all workers; must equal micro_batch_size x grad_accum_steps x num_workers."""
+    precision: Precision = "auto"
+    """auto (bf16 on a GPU that has it, else fp32), bf16, fp16 (with a GradScaler) or fp32."""
+    compile: CompileMode = "off"
+    """torch.compile mode, or off."""
+    gradient_checkpointing: bool = False
+    """Recompute each block's activations in backward to save memory."""
+    log_every: int = 10
+    """Report metrics every this many optimizer steps."""
+    eval_every: int = 50
+    """Validation every this many steps (0 disables); also at the last step."""
+    eval_batches: int = 8
+    """Micro-batches per worker in one validation pass."""
+    checkpoint_every: int = 50
+    """Checkpoint every this many steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """How many recent checkpoints to keep."""
+    max_failures: int = 2
+    """Times the run restarts from the latest checkpoint after a worker dies."""
+    seed: int = 1337
+    """Seed for weight init and data order."""
+    fail_at_step: int | None = None
+    """Fault injection for testing recovery: rank 0 exits hard once when it reaches this step."""
+    profile: bool = False
+    """Record a torch.profiler trace of a window of steps (TensorBoard format)."""
+    profile_steps: list[int] = field(default_factory=lambda: [5, 8])
+    """[first, last] optimizer step of the profiled window."""
+    peak_tflops: float | None = None
+    """Peak dense bf16 TFLOP/s of one GPU for MFU; None looks the card up."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every", "max_failures"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ConfigError(f"train.global_batch_size must be >= 1, got {self.global_batch_size}")
+        if len(self.profile_steps) != 2 or not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
+            raise ConfigError(f"train.profile_steps must be [first, last] with 1 <= first <= last, got {self.profile_steps}")
+
+
+@dataclass
+class ScalingConfig:
+    num_workers: int = 1
+    """Training workers (one per GPU)."""
+    use_gpu: bool = False
+    """Give each worker a GPU (DDP over NCCL); otherwise CPU workers with gloo."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved for each worker."""
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    """Extra custom resources per worker, e.g. {accelerator_type:H200: 0.01}."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ConfigError(f"scaling.num_workers must be >= 1, got {self.num_workers}")
+        if self.cpus_per_worker <= 0:
+            raise ConfigError(f"scaling.cpus_per_worker must be > 0, got {self.cpus_per_worker}")
+
+
+@dataclass
+class RunConfig:
+    name: str = "gpt2-run"
+    """Run name; resubmitting the same name and storage_path resumes the run."""
+    storage_path: str = "runs"
+    """Where checkpoints and the final model go (shared storage on a multi-node cluster)."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"run.name must be a non-empty name without '/', got {self.name!r}")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        train, workers = self.train, self.scaling.num_workers
+        if train.global_batch_size is not None:
+            per_step = train.micro_batch_size * workers
+            if train.global_batch_size % per_step:
+                raise ConfigError(
+                    f"train.global_batch_size={train.global_batch_size} is not divisible by "
+                    f"train.micro_batch_size x scaling.num_workers = {train.micro_batch_size} x {workers}; "
+                    f"choose a multiple of {per_step}"
+                )
+            train.grad_accum_steps = train.global_batch_size // per_step
+        else:
+            train.global_batch_size = train.micro_batch_size * train.grad_accum_steps * workers
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check and convert one YAML value against a field's type annotation."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        if value not in typing.get_args(annotation):
+            choices = ", ".join(repr(choice) for choice in typing.get_args(annotation))
+            raise ConfigError(f"{where} must be one of {choices}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        arms = typing.get_args(annotation)
+        if value is None and type(None) in arms:
+            return None
+        errors = []
+        for arm in arms:
+            if arm is type(None):
+                continue
+            try:
+                return _coerce(value, arm, where)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0])
+    if origin is list:
+        if not isinstance(value, list):
+            value = [value]
+        (item,) = typing.get_args(annotation)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        _, item = typing.get_args(annotation)
+        return {str(k): _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    raise AssertionError(f"unsupported annotation {annotation} at {where}")
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where or 'the config'} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]}; known keys{' of ' + where if where else ''}: {', '.join(sorted(known))}"
+        )
+    kwargs = {}
+    for name, value in values.items():
+        path = f"{where}.{name}" if where else name
+        annotation = hints[name]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[name] = _build(annotation, value or {}, path)
+        else:
+            kwargs[name] = _coerce(value, annotation, path)
+    return cls(**kwargs)
+
+
+def _apply_override(tree: dict[str, Any], assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects key=value (e.g. train.max_steps=100), got {assignment!r}")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part} is not a section")
+    # YAML parsing gives numbers, booleans, null and lists their types.
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def from_dict(values: dict[str, Any]) -> Config:
+    """Validate a nested mapping (as in YAML) into a Config."""
+    return _build(Config, values, "")
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML recipe (or the defaults) and apply `a.b=c` overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; recipes live in jobs/configs/")
+        tree = yaml.safe_load(path.read_text()) or {}
+    for assignment in overrides:
+        _apply_override(tree, assignment)
+    return from_dict(tree)
+
+
+def dump(config: Config) -> str:
+    """The resolved config as YAML, to save beside checkpoints."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -1,0 +1,27 @@
+"""What every entry point in jobs/ shares: logging set-up and user-error handling."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+# Errors that mean "the input was wrong": one clear line and exit status 2, no traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_main(run: Callable[[], None]) -> int:
+    """Run an entry point; user errors print `error: ...` and return 2."""
+    configure_logging()
+    try:
+        run()
+    except USER_ERRORS as error:
+        logger.debug("user error", exc_info=True)
+        print(f"error: {error}", flush=True)
+        return 2
+    return 0

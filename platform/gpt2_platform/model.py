@@ -1,0 +1,165 @@
+"""GPT-2 as one single-device module, with the Hugging Face parameter names.
+
+Architecture only: no distribution, precision or compilation here; those are
+applied from outside (see train/parallelize.py). Linear layers are
+`nn.Linear` (weights `(out, in)`); Hugging Face stores them as `Conv1D`
+(`(in, out)`), and checkpoint.py transposes on the way in and out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    dropout: float = 0.0
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# The real GPT-2 shapes, plus a tiny one for CPU tests and the demo. The tiny
+# vocabulary fits the offline byte-level tokenizer (256 bytes + <|endoftext|>).
+PRESETS: dict[str, GPT2Config] = {
+    "tiny": GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=257, n_positions=256),
+    "gpt2": GPT2Config(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPT2Config(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": GPT2Config(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": GPT2Config(n_layer=48, n_head=25, n_embd=1600),
+}
+
+
+def preset(name: str, **overrides: object) -> GPT2Config:
+    """The config of a named preset, with optional field overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return GPT2Config(**{**PRESETS[name].to_dict(), **overrides})
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # SDPA picks flash / memory-efficient kernels on GPU.
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # GPT-2 uses the tanh approximation of GELU ("gelu_new").
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    """GPT-2 language model; `lm_head` shares its weight with `transformer.wte`."""
+
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.n_positions, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer).
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits `(B, T, vocab)` and, given next-token targets `(B, T)`, the mean cross-entropy."""
+        B, T = input_ids.shape
+        if T > self.config.n_positions:
+            raise ValueError(f"sequence length {T} exceeds the model's context of {self.config.n_positions}")
+        pos = torch.arange(T, device=input_ids.device)
+        x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (the tied head counted once); non_embedding drops wte and wpe."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
+        return n
+
+
+def flops_per_token(config: GPT2Config, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls (forward + backward) plus attention's 12·L·d·T.
+
+    N counts every parameter but the position embeddings, since the tied token
+    embedding is also the output projection (a real matmul).
+    """
+    d, L, V = config.n_embd, config.n_layer, config.vocab_size
+    n = L * (12 * d * d + 13 * d) + V * d + 2 * d
+    return 6 * n + 12 * L * d * seq_len

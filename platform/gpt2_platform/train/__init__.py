@@ -1,0 +1,1 @@
+"""Fine-tuning on Ray Train: data, the per-worker loop, and the driver."""

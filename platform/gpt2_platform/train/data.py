@@ -1,0 +1,186 @@
+"""Training data: text / JSONL / Parquet files -> tokenized, packed blocks with Ray Data.
+
+Each document is tokenized and followed by EOS; documents are concatenated
+and cut into blocks of `block_size + 1` tokens (inputs and shifted targets).
+Files are checked on the driver before any Ray work starts, so a wrong path
+or column fails in seconds with a message that says what to fix.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import ray
+import ray.data
+
+from gpt2_platform.config import DataConfig
+from gpt2_platform.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+FORMATS_BY_SUFFIX = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+TOKENS_COLUMN = "tokens"
+
+
+class DataError(ValueError):
+    """The training data cannot be used as configured; the message says why and what to do."""
+
+
+def find_files(paths: list[str]) -> list[Path]:
+    """Expand paths, directories and globs into a sorted list of files."""
+    if not paths:
+        raise DataError("data.paths is empty; set it to files, directories or globs, e.g. --set data.paths=[corpus.txt]")
+    files: list[Path] = []
+    for spec in paths:
+        expanded = os.path.expanduser(spec)
+        if glob.has_magic(expanded):
+            matches = [Path(p) for p in sorted(glob.glob(expanded, recursive=True)) if Path(p).is_file()]
+            if not matches:
+                raise DataError(f"data path {spec!r} matches no files")
+        elif Path(expanded).is_dir():
+            matches = sorted(p for p in Path(expanded).rglob("*") if p.is_file() and not p.name.startswith("."))
+            if not matches:
+                raise DataError(f"data directory {spec!r} holds no files")
+        elif Path(expanded).is_file():
+            matches = [Path(expanded)]
+        else:
+            raise DataError(f"data path {spec!r} does not exist")
+        files.extend(matches)
+    files = sorted(set(p.resolve() for p in files))
+    if all(p.stat().st_size == 0 for p in files):
+        raise DataError(f"data files are all empty: {', '.join(map(str, files[:5]))}")
+    return files
+
+
+def file_format(path: Path, configured: str) -> str:
+    if configured != "auto":
+        return configured
+    fmt = FORMATS_BY_SUFFIX.get(path.suffix.lower())
+    if fmt is None:
+        raise DataError(
+            f"cannot tell the format of {path} from its extension; use .txt/.jsonl/.parquet or set data.format"
+        )
+    return fmt
+
+
+def _check_column(path: Path, fmt: str, column: str) -> None:
+    if fmt == "parquet":
+        names = pq.read_schema(path).names
+        if column not in names:
+            raise DataError(f"{path} has no column {column!r} (columns: {', '.join(names)}); set data.text_column")
+    elif fmt == "jsonl":
+        with path.open() as f:
+            for line in f:
+                if line.strip():
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or column not in record:
+                        keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                        raise DataError(f"{path}: first record has no key {column!r} (has: {keys}); set data.text_column")
+                    return
+
+
+def read_documents(config: DataConfig) -> ray.data.Dataset:
+    """One row per document with a `text` column, from every configured file."""
+    by_format: dict[str, list[str]] = {}
+    for path in find_files(config.paths):
+        fmt = file_format(path, config.format)
+        if path.stat().st_size:
+            _check_column(path, fmt, config.text_column)
+            by_format.setdefault(fmt, []).append(str(path))
+    parts = []
+    column = config.text_column
+    if "text" in by_format:
+        # A plain text file is one document: read whole, so line breaks survive.
+        ds = ray.data.read_binary_files(by_format["text"])
+        parts.append(ds.map_batches(_decode_bytes, batch_format="pyarrow"))
+    if "jsonl" in by_format:
+        ds = ray.data.read_json(by_format["jsonl"], lines=True)
+        parts.append(ds.select_columns([column]).rename_columns({column: "text"}) if column != "text" else ds.select_columns(["text"]))
+    if "parquet" in by_format:
+        ds = ray.data.read_parquet(by_format["parquet"], columns=[column])
+        parts.append(ds.rename_columns({column: "text"}) if column != "text" else ds)
+    return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+
+
+def _decode_bytes(batch):
+    import pyarrow as pa
+
+    texts = [b.decode("utf-8", errors="replace") for b in batch.column("bytes").to_pylist()]
+    return pa.table({"text": pa.array(texts, type=pa.string())})
+
+
+@lru_cache(maxsize=4)
+def _cached_tokenizer(name: str):
+    return load_tokenizer(name)
+
+
+class TokenizeAndPack:
+    """map_batches function: documents -> blocks of `block_size + 1` token ids."""
+
+    def __init__(self, tokenizer: str, block_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        tokenizer = _cached_tokenizer(self.tokenizer)
+        texts = [t for t in batch["text"] if isinstance(t, str) and t]
+        width = self.block_size + 1
+        if not texts:
+            return {TOKENS_COLUMN: np.zeros((0, width), dtype=np.int32)}
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        eos = tokenizer.eos_token_id
+        stream = np.fromiter((tok for doc in ids for tok in (*doc, eos)), dtype=np.int32)
+        n_blocks = len(stream) // width
+        # The tail shorter than a block is dropped; batches are large, so little is lost.
+        return {TOKENS_COLUMN: stream[: n_blocks * width].reshape(n_blocks, width)}
+
+
+@dataclass
+class Datasets:
+    train: ray.data.Dataset
+    val: ray.data.Dataset | None
+    num_train_blocks: int
+    num_val_blocks: int
+
+
+def build_datasets(config: DataConfig, vocab_size: int, min_train_blocks: int) -> Datasets:
+    """Read, tokenize, pack, and split into materialized train / validation datasets."""
+    tokenizer = load_tokenizer(config.tokenizer)
+    if len(tokenizer) > vocab_size:
+        raise DataError(
+            f"tokenizer {config.tokenizer!r} has {len(tokenizer)} tokens but the model's vocabulary is {vocab_size}; "
+            "use a matching tokenizer or model"
+        )
+    docs = read_documents(config)
+    blocks = docs.map_batches(
+        TokenizeAndPack(config.tokenizer, config.block_size), batch_size=256, batch_format="numpy"
+    ).materialize()
+    total = blocks.count()
+    if total == 0:
+        raise DataError(
+            f"the data holds fewer than block_size + 1 = {config.block_size + 1} tokens; "
+            "add text or lower data.block_size"
+        )
+    num_val = int(round(total * config.val_fraction))
+    if config.val_fraction > 0:
+        num_val = max(num_val, 1)
+    if total - num_val < min_train_blocks:
+        raise DataError(
+            f"the data makes {total} blocks of {config.block_size} tokens ({num_val} held out for validation), "
+            f"fewer than the {min_train_blocks} one optimizer step needs; add data or lower the batch or block size"
+        )
+    if num_val:
+        train, val = blocks.train_test_split(test_size=num_val, shuffle=True, seed=config.seed)
+        train, val = train.materialize(), val.materialize()
+    else:
+        train, val = blocks.random_shuffle(seed=config.seed).materialize(), None
+    logger.info("data: %d train blocks, %d validation blocks of %d tokens", total - num_val, num_val, config.block_size)
+    return Datasets(train=train, val=val, num_train_blocks=total - num_val, num_val_blocks=num_val)

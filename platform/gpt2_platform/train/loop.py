@@ -1,0 +1,282 @@
+"""The training loop that runs on every Ray Train worker."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from gpt2_platform import checkpoint as ckpt
+from gpt2_platform.config import Config, dump, from_dict
+from gpt2_platform.model import GPT2, flops_per_token
+from gpt2_platform.loading import build_model
+from gpt2_platform.train.parallelize import parallelize
+from gpt2_platform.train.step import TrainStep, build_optimizer, lr_at, resolve_precision
+from gpt2_platform.train.throughput import mfu, peak_memory_gib, peak_tflops
+
+logger = logging.getLogger(__name__)
+
+TRAIN_STATE = "train_state.json"
+OPTIMIZER_STATE = "optimizer.pt"
+SCALER_STATE = "scaler.pt"
+HISTORY = "history.jsonl"
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; training stops before saving a broken checkpoint."""
+
+
+def _all_reduce(values: list[float], device: torch.device, op: Any = None) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def micro_batches(
+    shard: Any, batch_size: int, device: torch.device, seed: int, skip: int, micro_per_epoch: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless (inputs, targets) micro-batches over epochs of this worker's shard, skipping `skip` first."""
+    epoch, skip = divmod(skip, micro_per_epoch)
+    while True:
+        batches = shard.iter_torch_batches(
+            batch_size=batch_size,
+            drop_last=True,
+            dtypes=torch.long,
+            local_shuffle_buffer_size=max(4 * batch_size, 64),
+            local_shuffle_seed=seed + epoch,
+        )
+        for batch in batches:
+            if skip:
+                skip -= 1
+                continue
+            tokens = batch["tokens"].to(device, non_blocking=True)  # (B, T + 1)
+            yield tokens[:, :-1], tokens[:, 1:]
+        epoch += 1
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, step_fn: TrainStep, val: Any, config: Config, device: torch.device) -> float | None:
+    """Mean validation loss over up to eval_batches micro-batches per worker (rank r takes every r-th batch)."""
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    total, count = 0.0, 0
+    model.eval()
+    batches = val.iter_torch_batches(batch_size=config.train.micro_batch_size, drop_last=True, dtypes=torch.long)
+    for i, batch in enumerate(batches):
+        if i % world != rank:
+            continue
+        if count >= config.train.eval_batches:
+            break
+        tokens = batch["tokens"].to(device)
+        with step_fn.autocast():
+            _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        total += loss.item()
+        count += 1
+    model.train()
+    total, count = _all_reduce([total, count], device)
+    return total / count if count else None
+
+
+def save_checkpoint(directory: Path, model: GPT2, step_fn: TrainStep, state: dict, config: Config) -> None:
+    """Model (Hugging Face format), optimizer, scaler, step and config into one directory."""
+    ckpt.write_weights(model, directory)
+    torch.save(step_fn.optimizer.state_dict(), directory / OPTIMIZER_STATE)
+    if step_fn.precision.use_grad_scaler:
+        torch.save(step_fn.scaler.state_dict(), directory / SCALER_STATE)
+    (directory / TRAIN_STATE).write_text(json.dumps(state))
+    (directory / "config.yaml").write_text(dump(config))
+
+
+def load_weights(directory: Path, model: GPT2) -> dict:
+    model.load_state_dict(ckpt.from_hf_state_dict(load_file(str(directory / ckpt.WEIGHTS_NAME))))
+    return json.loads((directory / TRAIN_STATE).read_text())
+
+
+def load_optimizer(directory: Path, step_fn: TrainStep, device: torch.device) -> None:
+    step_fn.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_STATE, map_location=device, weights_only=True))
+    if (directory / SCALER_STATE).exists():
+        step_fn.scaler.load_state_dict(torch.load(directory / SCALER_STATE, weights_only=True))
+
+
+def _append_history(run_dir: Path, record: dict) -> None:
+    with (run_dir / HISTORY).open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _inject_failure(run_dir: Path, step: int) -> None:
+    marker = run_dir / f".injected-failure-step-{step}"
+    if not marker.exists():
+        marker.touch()
+        logger.warning("fault injection: rank 0 exits at step %d", step)
+        os._exit(1)
+
+
+class Profiler:
+    """torch.profiler over a window of optimizer steps, written for TensorBoard."""
+
+    def __init__(self, enabled: bool, window: list[int], out_dir: Path, rank: int, device: torch.device) -> None:
+        self.first, self.last = window
+        self.out_dir, self.rank, self.device = out_dir, rank, device
+        self.profiler: torch.profiler.profile | None = None
+        self.enabled = enabled
+
+    def before_step(self, step: int) -> None:
+        if self.enabled and step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(
+                activities=activities,
+                record_shapes=True,
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.out_dir), worker_name=f"rank{self.rank}"),
+            )
+            self.profiler.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self.profiler is not None and step >= self.last:
+            self.profiler.__exit__(None, None, None)
+            self.profiler = None
+            if self.rank == 0:
+                logger.info("profiler trace of steps %d-%d written to %s", self.first, self.last, self.out_dir)
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    """Runs on each worker: build, resume, train to max_steps, report and checkpoint."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = from_dict(loop_config["config"])
+    run_dir = Path(loop_config["run_dir"])
+    tc = config.train
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    torch.manual_seed(tc.seed)
+
+    model = build_model(config.model).to(device)
+    precision = resolve_precision(tc.precision, device)
+    state = {"step": 0, "tokens_seen": 0}
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = load_weights(Path(directory), model)
+    train_model = parallelize(model, device, tc.compile, tc.gradient_checkpointing)
+    step_fn = TrainStep(train_model, build_optimizer(model, config.optim, device), precision, device, config.optim.grad_clip)
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            load_optimizer(Path(directory), step_fn, device)
+
+    start_step = state["step"]
+    tokens_seen = state["tokens_seen"]
+    block_size = config.data.block_size
+    tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * world * block_size
+    micro_per_epoch = loop_config["num_train_blocks"] // world // tc.micro_batch_size
+    train_shard = ray.train.get_dataset_shard("train")
+    val = ray.train.get_dataset_shard("val") if loop_config["has_val"] else None
+    batches = micro_batches(
+        train_shard, tc.micro_batch_size, device, tc.seed + rank, start_step * tc.grad_accum_steps, micro_per_epoch
+    )
+    model_flops = flops_per_token(model.config, block_size)
+    peak = peak_tflops(device, tc.peak_tflops)
+    profiler = Profiler(tc.profile, tc.profile_steps, run_dir / "profile", rank, device)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _append_history(run_dir, {"event": "start", "start_step": start_step, "world_size": world, "time": time.time()})
+        logger.info(
+            "training %s (%.1fM params) on %d x %s, %s, compile=%s, from step %d to %d, %d tokens/step",
+            config.model.init_from or config.model.preset, model.num_params() / 1e6, world, device.type,
+            precision.name, tc.compile, start_step, tc.max_steps, tokens_per_step,
+        )
+    if start_step >= tc.max_steps:
+        if rank == 0:
+            logger.info("run already finished at step %d", start_step)
+        return
+
+    window_loss = torch.zeros((), device=device)
+    window_steps, window_start = 0, time.perf_counter()
+    for step in range(start_step + 1, tc.max_steps + 1):
+        if rank == 0 and tc.fail_at_step == step:
+            _inject_failure(run_dir, step)
+        profiler.before_step(step)
+        lr = lr_at(step, config.optim, tc.max_steps)
+        loss, grad_norm = step_fn([next(batches) for _ in range(tc.grad_accum_steps)], lr)
+        profiler.after_step(step)
+        window_loss += loss
+        window_steps += 1
+        tokens_seen += tokens_per_step
+
+        is_last = step == tc.max_steps
+        do_eval = val is not None and ((tc.eval_every and step % tc.eval_every == 0) or is_last)
+        do_checkpoint = (tc.checkpoint_every and step % tc.checkpoint_every == 0) or is_last
+        if not (step % tc.log_every == 0 or do_eval or do_checkpoint):
+            continue
+
+        # A report step: sync, check the loss, measure, evaluate, checkpoint.
+        (loss_sum,) = _all_reduce([window_loss.item()], device)
+        mean_loss = loss_sum / world / window_steps
+        if not math.isfinite(mean_loss):
+            raise NonFiniteLossError(
+                f"loss became {mean_loss} by step {step}; training stopped without saving this state. "
+                f"Lower optim.lr (now {config.optim.lr}), keep optim.grad_clip on, prefer bf16 to fp16, or check the data."
+            )
+        elapsed = time.perf_counter() - window_start
+        tokens_per_s = tokens_per_step * window_steps / elapsed
+        metrics: dict[str, Any] = {
+            "step": step,
+            "loss": mean_loss,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": tokens_per_s,
+            "step_time_ms": 1000 * elapsed / window_steps,
+            "tokens_seen": tokens_seen,
+            "epoch": step * tc.grad_accum_steps / max(1, micro_per_epoch),
+        }
+        utilization = mfu(tokens_per_s / world, model_flops, peak)
+        if utilization is not None:
+            metrics["mfu"] = utilization
+        peak_mem = peak_memory_gib(device)
+        if peak_mem is not None:
+            (metrics["peak_mem_gib"],) = _all_reduce([peak_mem], device, dist.ReduceOp.MAX if dist.is_initialized() else None)
+        if do_eval:
+            val_loss = evaluate(train_model, step_fn, val, config, device)
+            if val_loss is not None:
+                metrics["val_loss"] = val_loss
+                metrics["val_ppl"] = math.exp(min(val_loss, 50.0))
+        _report(metrics, do_checkpoint, rank, run_dir, model, step_fn, config, {"step": step, "tokens_seen": tokens_seen})
+        window_loss.zero_()
+        window_steps, window_start = 0, time.perf_counter()
+
+
+def _report(
+    metrics: dict, do_checkpoint: bool, rank: int, run_dir: Path, model: GPT2, step_fn: TrainStep, config: Config, state: dict
+) -> None:
+    """Every rank reports (ray.train.report is a barrier); rank 0 alone attaches the checkpoint."""
+    if rank == 0:
+        _append_history(run_dir, {**metrics, "time": time.time()})
+        extra = "".join(f" {k}={metrics[k]:.4g}" for k in ("val_loss", "mfu", "peak_mem_gib") if k in metrics)
+        logger.info(
+            "step %d loss %.4f lr %.2e grad_norm %.3f %.0f tokens/s%s",
+            metrics["step"], metrics["loss"], metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"], extra,
+        )
+    if do_checkpoint and rank == 0:
+        with tempfile.TemporaryDirectory() as directory:
+            save_checkpoint(Path(directory), model, step_fn, state, config)
+            ray.train.report(
+                metrics,
+                checkpoint=ray.train.Checkpoint.from_directory(directory),
+                checkpoint_dir_name=f"checkpoint_step_{state['step']:08d}",
+            )
+    else:
+        ray.train.report(metrics)

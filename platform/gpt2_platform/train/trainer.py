@@ -1,0 +1,121 @@
+"""The driver: validate the run, build the data, start the TorchTrainer, export the model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray.train
+from ray.train.torch import TorchTrainer
+
+from gpt2_platform import checkpoint as ckpt
+from gpt2_platform.config import Config, ConfigError, dump
+from gpt2_platform.loading import model_config
+from gpt2_platform.runtime import init_ray
+from gpt2_platform.tokenizer import load_tokenizer
+from gpt2_platform.train.data import build_datasets
+from gpt2_platform.train.loop import HISTORY, train_loop_per_worker
+
+logger = logging.getLogger(__name__)
+
+FINAL_MODEL_DIR = "model"
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    model_dir: Path
+    checkpoint_dir: Path | None
+    metrics: dict
+
+
+def run_dir_of(config: Config) -> Path:
+    """Where the run lives. A relative storage_path is taken from the current directory, except
+    under `ray job submit`, whose working directory is a temporary copy: there it goes under
+    ~/gpt2-platform/ (use an absolute path on shared storage for multi-node clusters)."""
+    storage = Path(os.path.expanduser(config.run.storage_path))
+    if not storage.is_absolute() and _in_submitted_job():
+        storage = Path.home() / "gpt2-platform" / storage
+        logger.warning("run.storage_path is relative inside a submitted job; using %s", storage)
+    return storage.resolve() / config.run.name
+
+
+def _in_submitted_job() -> bool:
+    # The job supervisor hands the job's runtime env to its driver in this variable.
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def validate(config: Config) -> None:
+    """Checks that need more than one field, done before any Ray work starts."""
+    arch = model_config(config.model)
+    if config.data.block_size > arch.n_positions:
+        raise ConfigError(
+            f"data.block_size={config.data.block_size} exceeds the model's context of {arch.n_positions} tokens; "
+            f"lower data.block_size"
+        )
+    if config.train.fail_at_step is not None and config.train.fail_at_step > config.train.max_steps:
+        raise ConfigError(f"train.fail_at_step={config.train.fail_at_step} is past train.max_steps={config.train.max_steps}")
+    if config.train.compile != "off" and config.train.gradient_checkpointing:
+        logger.warning("gradient checkpointing under torch.compile recomputes through the compiled graph; expect slower steps")
+
+
+def export_model(checkpoint_dir: Path, config: Config, target: Path) -> Path:
+    """The final model as a Hugging Face directory with its tokenizer, replacing any earlier export."""
+
+    def fill(stage: Path) -> None:
+        for name in (ckpt.CONFIG_NAME, ckpt.WEIGHTS_NAME, "config.yaml"):
+            shutil.copy2(checkpoint_dir / name, stage / name)
+        load_tokenizer(config.data.tokenizer).save_pretrained(stage)
+
+    with ckpt.staged_directory(target, overwrite=True) as stage:
+        fill(stage)
+    return target
+
+
+def fit(config: Config) -> TrainResult:
+    """Train as configured (resuming the run of the same name), export and return where things are."""
+    validate(config)
+    init_ray()
+    run_dir = run_dir_of(config)
+    tc, scaling = config.train, config.scaling
+    datasets = build_datasets(config.data, model_config(config.model).vocab_size, tc.micro_batch_size * scaling.num_workers)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "config": config.to_dict(),
+            "run_dir": str(run_dir),
+            "num_train_blocks": datasets.num_train_blocks,
+            "has_val": datasets.val is not None,
+        },
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=scaling.num_workers,
+            use_gpu=scaling.use_gpu,
+            resources_per_worker={"CPU": scaling.cpus_per_worker, **scaling.resources_per_worker},
+        ),
+        run_config=ray.train.RunConfig(
+            name=config.run.name,
+            storage_path=str(run_dir.parent),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=tc.keep_checkpoints),
+            failure_config=ray.train.FailureConfig(max_failures=tc.max_failures),
+        ),
+        datasets={"train": datasets.train, **({"val": datasets.val} if datasets.val is not None else {})},
+        # Validation is read whole by every worker, each taking its own batches.
+        dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump(config))
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"training finished without a checkpoint in {run_dir}; see the worker logs above")
+    with result.checkpoint.as_directory() as directory:
+        model_dir = export_model(Path(directory), config, run_dir / FINAL_MODEL_DIR)
+    logger.info("model exported to %s (history: %s)", model_dir, run_dir / HISTORY)
+    return TrainResult(
+        run_dir=run_dir,
+        model_dir=model_dir,
+        checkpoint_dir=Path(result.checkpoint.path),
+        metrics=dict(result.metrics or {}),
+    )
