@@ -1,0 +1,1 @@
+"""Benchmarks that measure each optimization against a baseline in the same run."""
