@@ -28,8 +28,8 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 # Hugging Face keeps these four as Conv1D, whose weight is (in, out).
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# Wrappers that prefix parameter names: torch.compile, DDP, activation checkpointing.
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.")
+# Wrappers that add a level to parameter names: torch.compile, DDP, activation checkpointing.
+_WRAPPER_PARTS = frozenset({"_orig_mod", "module", "_checkpoint_wrapped_module"})
 # Causal-mask buffers that old transformers versions saved; they are not weights.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
@@ -46,13 +46,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Strip wrapper prefixes from parameter names, wherever in the name they appear."""
-    cleaned = {}
-    for name, tensor in state_dict.items():
-        for prefix in _WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
-        cleaned[name] = tensor
-    return cleaned
+    """Drop the name parts that wrappers add, wherever in the name they appear."""
+    return {".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS): t for name, t in state_dict.items()}
 
 
 def to_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

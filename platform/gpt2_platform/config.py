@@ -92,16 +92,16 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"optim.lr must be a positive finite number, got {self.lr}")
-        if not (0 <= self.min_lr <= self.lr):
+        if not (0 <= self.min_lr <= self.lr):  # also false for NaN
             raise ConfigError(f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
         if self.warmup_steps < 0:
             raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.weight_decay < 0:
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.grad_clip < 0:
+        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
             raise ConfigError(f"optim.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
 
 
@@ -155,6 +155,8 @@ class TrainConfig:
             raise ConfigError(f"train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ConfigError(f"train.global_batch_size must be >= 1, got {self.global_batch_size}")
+        if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0):
+            raise ConfigError(f"train.peak_tflops must be a positive number or null, got {self.peak_tflops}")
         if len(self.profile_steps) != 2 or not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
             raise ConfigError(f"train.profile_steps must be [first, last] with 1 <= first <= last, got {self.profile_steps}")
 
@@ -173,7 +175,7 @@ class ScalingConfig:
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ConfigError(f"scaling.num_workers must be >= 1, got {self.num_workers}")
-        if self.cpus_per_worker <= 0:
+        if not (math.isfinite(self.cpus_per_worker) and self.cpus_per_worker > 0):
             raise ConfigError(f"scaling.cpus_per_worker must be > 0, got {self.cpus_per_worker}")
 
 
@@ -258,6 +260,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads "5e-3" (no dot) as a string; accept it as the number it means.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{where} must be a number, got {value!r}")
     if annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

@@ -119,7 +119,10 @@ def _decode_bytes(batch):
 
 @lru_cache(maxsize=4)
 def _cached_tokenizer(name: str):
-    return load_tokenizer(name)
+    tokenizer = load_tokenizer(name)
+    # Whole documents are tokenized before packing; the model's limit applies to blocks, not here.
+    tokenizer.model_max_length = int(1e12)
+    return tokenizer
 
 
 class TokenizeAndPack:

@@ -1,0 +1,62 @@
+"""Shared fixtures: an isolated HOME, one local Ray cluster per session, tiny runs on generated data."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Ray 2.60 writes ~/.ray/auth_token for a new cluster, and transformers caches
+# under ~/.cache: keep both out of the real home. Set before Ray is imported.
+_HOME = tempfile.mkdtemp(prefix="gpt2-platform-test-home-")
+os.environ["HOME"] = _HOME
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+from gpt2_platform import config as config_lib  # noqa: E402
+from gpt2_platform import demo_data  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One embedded local Ray for the whole session (started on first use, stopped at the end)."""
+    import ray
+
+    from gpt2_platform.runtime import package_runtime_env
+
+    ray.init(num_cpus=4, object_store_memory=400 * 2**20, include_dashboard=False, runtime_env=package_runtime_env())
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's generated stories as a text file (about 0.3 MB)."""
+    return demo_data.write_text(tmp_path_factory.mktemp("data") / "corpus.txt", num_stories=4000)
+
+
+def tiny_config(corpus: Path, storage: Path, *overrides: str) -> config_lib.Config:
+    """A run of the tiny preset on CPU that finishes in seconds."""
+    base = [
+        f"data.paths=[{corpus}]",
+        "data.block_size=32",
+        "train.micro_batch_size=8",
+        "train.max_steps=20",
+        "train.log_every=5",
+        "train.eval_every=10",
+        "train.eval_batches=2",
+        "train.checkpoint_every=10",
+        "train.precision=fp32",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=2",
+        "scaling.num_workers=1",
+        "train.max_failures=0",
+        f"run.storage_path={storage}",
+    ]
+    return config_lib.load(None, [*base, *overrides])
