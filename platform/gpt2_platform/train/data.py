@@ -12,6 +12,8 @@ import glob
 import json
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -146,6 +148,17 @@ class TokenizeAndPack:
         return {TOKENS_COLUMN: stream[: n_blocks * width].reshape(n_blocks, width)}
 
 
+@contextmanager
+def _progress_bars(enabled: bool) -> Iterator[None]:
+    context = ray.data.DataContext.get_current()
+    before = context.enable_progress_bars
+    context.enable_progress_bars = enabled
+    try:
+        yield
+    finally:
+        context.enable_progress_bars = before
+
+
 @dataclass
 class Datasets:
     train: ray.data.Dataset
@@ -180,10 +193,13 @@ def build_datasets(config: DataConfig, vocab_size: int, min_train_blocks: int) -
             f"the data makes {total} blocks of {config.block_size} tokens ({num_val} held out for validation), "
             f"fewer than the {min_train_blocks} one optimizer step needs; add data or lower the batch or block size"
         )
-    if num_val:
-        train, val = blocks.train_test_split(test_size=num_val, shuffle=True, seed=config.seed)
-        train, val = train.materialize(), val.materialize()
-    else:
-        train, val = blocks.random_shuffle(seed=config.seed).materialize(), None
+    with _progress_bars(False):
+        # The workers re-read validation at every evaluation; a Dataset keeps the
+        # DataContext it was made with, so its bars are switched off here.
+        if num_val:
+            train, val = blocks.train_test_split(test_size=num_val, shuffle=True, seed=config.seed)
+            train, val = train.materialize(), val.materialize()
+        else:
+            train, val = blocks.random_shuffle(seed=config.seed).materialize(), None
     logger.info("data: %d train blocks, %d validation blocks of %d tokens", total - num_val, num_val, config.block_size)
     return Datasets(train=train, val=val, num_train_blocks=total - num_val, num_val_blocks=num_val)

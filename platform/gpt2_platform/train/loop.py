@@ -153,10 +153,30 @@ class Profiler:
                 logger.info("profiler trace of steps %d-%d written to %s", self.first, self.last, self.out_dir)
 
 
+def _configure_worker_logging() -> None:
+    """Our package's INFO logs on the worker's console; the root logger (and Ray's) left alone."""
+    package_logger = logging.getLogger("gpt2_platform")
+    if not package_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        package_logger.addHandler(handler)
+        package_logger.setLevel(logging.INFO)
+        package_logger.propagate = False
+    # Ray Train logs every report and Ray Data every validation pass at INFO; keep their warnings only.
+    names = ["ray.train", "ray.data"]
+    try:  # Ray 2.60 logs each report under a logger named after this file's path, outside "ray.train".
+        from ray.train.v2._internal.execution import context as train_context
+
+        names.append(train_context.__file__)
+    except ImportError:
+        pass
+    for name in names:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     """Runs on each worker: build, resume, train to max_steps, report and checkpoint."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_worker_logging()
     config = from_dict(loop_config["config"])
     run_dir = Path(loop_config["run_dir"])
     tc = config.train

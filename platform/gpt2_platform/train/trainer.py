@@ -100,6 +100,8 @@ def fit(config: Config) -> TrainResult:
             storage_path=str(run_dir.parent),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=tc.keep_checkpoints),
             failure_config=ray.train.FailureConfig(max_failures=tc.max_failures),
+            # Ray Train logs every report at INFO; rank 0 logs the metrics itself.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
         datasets={"train": datasets.train, **({"val": datasets.val} if datasets.val is not None else {})},
         # Validation is read whole by every worker, each taking its own batches.

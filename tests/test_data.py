@@ -1,0 +1,239 @@
+"""gpt2_platform.train.data: text / JSONL / Parquet files -> packed token blocks on a real local Ray."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpt2_platform import demo_data
+from gpt2_platform.config import DataConfig
+from gpt2_platform.train.data import TOKENS_COLUMN, DataError, Datasets, build_datasets, find_files
+
+pytestmark = pytest.mark.slow
+
+VOCAB_SIZE = 257  # the byte tokenizer: ids 0..255 are the UTF-8 bytes, 256 is <|endoftext|>
+EOS = 256
+BLOCK_SIZE = 32
+WIDTH = BLOCK_SIZE + 1
+BATCH_DOCS = 256  # TokenizeAndPack's map_batches batch size
+
+
+def build(paths: list[Path | str], min_train_blocks: int = 1, vocab_size: int = VOCAB_SIZE, **fields) -> Datasets:
+    fields = {"block_size": BLOCK_SIZE, "val_fraction": 0.0, **fields}
+    config = DataConfig(paths=[str(p) for p in paths], **fields)
+    return build_datasets(config, vocab_size=vocab_size, min_train_blocks=min_train_blocks)
+
+
+def rows(dataset) -> np.ndarray:
+    """A dataset's blocks as one (num_blocks, block_size + 1) array, in the dataset's order."""
+    return np.stack([row[TOKENS_COLUMN] for row in dataset.take_all()])
+
+
+def all_blocks(datasets: Datasets) -> np.ndarray:
+    parts = [rows(datasets.train)] + ([rows(datasets.val)] if datasets.val is not None else [])
+    return np.concatenate(parts)
+
+
+def sorted_blocks(blocks: np.ndarray) -> list[bytes]:
+    """An order-free fingerprint of a set of blocks."""
+    return sorted(block.astype(np.int32).tobytes() for block in blocks)
+
+
+def check_packing(blocks: np.ndarray, documents: list[str], num_files: int) -> None:
+    """Blocks of block_size + 1 byte ids: the documents' EOS-terminated stream, less each batch's tail."""
+    assert blocks.ndim == 2 and blocks.shape[1] == WIDTH
+    assert blocks.min() >= 0 and blocks.max() < VOCAB_SIZE
+    encoded = [doc.encode() for doc in documents]
+    stream_length = sum(len(doc) + 1 for doc in encoded)
+    # TokenizeAndPack packs each map_batches batch on its own and drops its tail (under one block).
+    # Ray Data also ends a batch where a read task's rows end, so n documents give up to
+    # 2 * ceil(n / 256) batches (a bundle of >= 256 rows ends in one short batch), plus one per file.
+    max_batches = 2 * math.ceil(len(documents) / BATCH_DOCS) + num_files
+    dropped = stream_length - blocks.size
+    assert 0 <= dropped < max_batches * WIDTH
+    # One EOS per document: all of them but those in the dropped tails.
+    max_eos_per_tail = WIDTH // (min(map(len, encoded)) + 1) + 1
+    assert len(documents) - max_batches * max_eos_per_tail <= np.count_nonzero(blocks == EOS) <= len(documents)
+    # EOS sits between documents: what follows one starts a document, what precedes one ends a
+    # document, and between two EOS of one block lies one whole document.
+    whole = set(encoded)
+    starts = {doc[:k] for doc in encoded for k in range(WIDTH + 1)}
+    ends = {doc[len(doc) - k :] for doc in encoded for k in range(min(len(doc), WIDTH) + 1)}
+    for block in blocks:
+        eos = [-1, *np.flatnonzero(block == EOS), WIDTH]
+        for i, (left, right) in enumerate(zip(eos[:-1], eos[1:])):
+            piece = bytes(block[left + 1 : right].astype(np.uint8))
+            if 0 < i < len(eos) - 2:
+                assert piece in whole
+            elif i > 0:
+                assert piece in starts
+            elif len(eos) > 2:
+                assert piece in ends
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_jsonl_and_parquet_records_pack_into_blocks(ray_cluster, tmp_path: Path, fmt: str) -> None:
+    write = {"jsonl": demo_data.write_jsonl, "parquet": demo_data.write_parquet}[fmt]
+    path = write(tmp_path / f"stories.{fmt}", num_stories=600, seed=1)
+    datasets = build([path])
+    blocks = all_blocks(datasets)
+    assert datasets.val is None and datasets.num_val_blocks == 0
+    assert len(blocks) == datasets.num_train_blocks
+    check_packing(blocks, demo_data.stories(600, seed=1), num_files=1)
+
+
+def test_a_text_file_is_one_document_packed_exactly(ray_cluster, tmp_path: Path) -> None:
+    path = demo_data.write_text(tmp_path / "stories.txt", num_stories=200)
+    blocks = all_blocks(build([path]))
+    # One document (the whole file, line breaks kept) in one batch: the blocks are the stream's
+    # first len // width slices, the short tail dropped.
+    stream = np.array([*path.read_bytes(), EOS], dtype=np.int32)
+    num_blocks = len(stream) // WIDTH
+    assert sorted_blocks(blocks) == sorted_blocks(stream[: num_blocks * WIDTH].reshape(num_blocks, WIDTH))
+
+
+def test_text_files_in_a_directory_are_documents_separated_by_eos(ray_cluster, tmp_path: Path) -> None:
+    directory = tmp_path / "notes"
+    documents = [f"note {i:02d}: {'hi ' * (i % 3)}bye\n" for i in range(24)]
+    for i, text in enumerate(documents):
+        sub = directory / "nested" if i % 2 else directory
+        sub.mkdir(parents=True, exist_ok=True)
+        (sub / f"note-{i:02d}.txt").write_text(text)
+    (directory / ".DS_Store").write_bytes(b"\x00\x01")  # hidden files are skipped, not read as data
+    assert len(find_files([str(directory)])) == len(documents)
+    check_packing(all_blocks(build([directory])), documents, num_files=len(documents))
+
+
+def test_the_text_column_is_configurable_for_jsonl_and_parquet(ray_cluster, tmp_path: Path) -> None:
+    jsonl = demo_data.write_jsonl(tmp_path / "a.jsonl", num_stories=300, seed=2, key="body")
+    parquet = demo_data.write_parquet(tmp_path / "b.parquet", num_stories=300, seed=3, column="body")
+    datasets = build([jsonl, parquet], text_column="body")
+    assert datasets.train.columns() == [TOKENS_COLUMN]
+    documents = demo_data.stories(300, seed=2) + demo_data.stories(300, seed=3)
+    check_packing(all_blocks(datasets), documents, num_files=2)
+
+
+def test_a_mixed_list_of_text_jsonl_and_parquet_files(ray_cluster, tmp_path: Path) -> None:
+    text = demo_data.write_text(tmp_path / "a.txt", num_stories=100, seed=4)
+    jsonl = demo_data.write_jsonl(tmp_path / "b.jsonl", num_stories=200, seed=5)
+    parquet = demo_data.write_parquet(tmp_path / "c.parquet", num_stories=200, seed=6)
+    documents = [text.read_text(), *demo_data.stories(200, seed=5), *demo_data.stories(200, seed=6)]
+    # Each source is far larger than the dropped tails, so the count check fails if one is missing.
+    check_packing(all_blocks(build([text, jsonl, parquet])), documents, num_files=3)
+
+
+def test_a_directory_and_a_glob_read_the_same_files(ray_cluster, tmp_path: Path) -> None:
+    for i in range(3):
+        demo_data.write_jsonl(tmp_path / "shards" / f"sub{i}" / f"part-{i}.jsonl", num_stories=100, seed=10 + i)
+    by_directory = build([tmp_path / "shards"])
+    by_glob = build([f"{tmp_path}/shards/**/part-*.jsonl"])
+    documents = [doc for i in range(3) for doc in demo_data.stories(100, seed=10 + i)]
+    check_packing(all_blocks(by_glob), documents, num_files=3)
+    assert sorted_blocks(all_blocks(by_glob)) == sorted_blocks(all_blocks(by_directory))
+    assert len(find_files([f"{tmp_path}/shards/sub[01]/*.jsonl"])) == 2
+
+
+@pytest.fixture(scope="module")
+def split_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return demo_data.write_jsonl(tmp_path_factory.mktemp("split") / "stories.jsonl", num_stories=600)
+
+
+@pytest.mark.parametrize("val_fraction", [0.1, 0.25])
+def test_val_fraction_sets_the_split_sizes(ray_cluster, split_corpus: Path, val_fraction: float) -> None:
+    whole = build([split_corpus])
+    split = build([split_corpus], val_fraction=val_fraction)
+    total = whole.num_train_blocks
+    assert split.num_val_blocks == round(total * val_fraction) > 0
+    assert split.num_train_blocks == total - split.num_val_blocks
+    train, val = rows(split.train), rows(split.val)
+    assert (len(train), len(val)) == (split.num_train_blocks, split.num_val_blocks)
+    # Train and validation partition the same blocks: nothing lost, nothing in both.
+    assert sorted_blocks(np.concatenate([train, val])) == sorted_blocks(rows(whole.train))
+
+
+def test_val_fraction_zero_gives_no_validation_set(ray_cluster, split_corpus: Path) -> None:
+    datasets = build([split_corpus], val_fraction=0.0)
+    assert datasets.val is None and datasets.num_val_blocks == 0
+    assert datasets.train.count() == datasets.num_train_blocks > 0
+
+
+def test_the_split_is_deterministic_for_a_seed(ray_cluster, split_corpus: Path) -> None:
+    first = build([split_corpus], val_fraction=0.1, seed=7)
+    again = build([split_corpus], val_fraction=0.1, seed=7)
+    other = build([split_corpus], val_fraction=0.1, seed=8)
+    assert sorted_blocks(rows(first.val)) == sorted_blocks(rows(again.val))
+    assert np.array_equal(rows(first.train), rows(again.train)), "same seed, same train blocks in the same order"
+    assert sorted_blocks(rows(first.val)) != sorted_blocks(rows(other.val)), "another seed holds out other blocks"
+
+
+# ---- errors: a DataError that names the file or column and what to set -------------------------------
+
+
+def _empty_directory(tmp_path: Path) -> list[str]:
+    (tmp_path / "empty").mkdir()
+    return [str(tmp_path / "empty")]
+
+
+def _empty_files(tmp_path: Path) -> list[str]:
+    for name in ("a.txt", "b.jsonl"):
+        (tmp_path / name).touch()
+    return [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]
+
+
+def _unknown_extension(tmp_path: Path) -> list[str]:
+    (tmp_path / "stories.csv").write_text("text\nalice has 3 apples.\n")
+    return [str(tmp_path / "stories.csv")]
+
+
+@pytest.mark.parametrize(
+    ("make_paths", "expected"),
+    [
+        (lambda tmp: [str(tmp / "missing.txt")], ["missing.txt", "does not exist", "data.paths"]),
+        (lambda tmp: [f"{tmp}/nowhere/*.jsonl"], ["nowhere/*.jsonl", "matches no files", "data.paths"]),
+        (_empty_directory, ["empty", "holds no files", "data.paths"]),
+        (_empty_files, ["a.txt", "b.jsonl", "empty", "data.paths"]),
+        (_unknown_extension, ["stories.csv", "cannot tell the format", "data.format"]),
+    ],
+    ids=["missing-path", "empty-glob", "empty-directory", "all-files-empty", "unknown-extension"],
+)
+def test_unusable_paths_are_named_with_the_field_to_fix(ray_cluster, tmp_path: Path, make_paths, expected) -> None:
+    # BUG (train/data.py, find_files): the missing-path, empty-glob, empty-directory and all-empty
+    # messages say what is wrong but not what to change; they should name data.paths as the others
+    # name data.format / data.text_column / data.block_size.
+    with pytest.raises(DataError) as error:
+        build(make_paths(tmp_path))
+    for part in expected:
+        assert part in str(error.value)
+
+
+def test_parquet_without_the_text_column_lists_its_columns(ray_cluster, tmp_path: Path) -> None:
+    path = demo_data.write_parquet(tmp_path / "stories.parquet", num_stories=10)
+    with pytest.raises(DataError, match=r"stories\.parquet has no column 'body' \(columns: text, id\); set data.text_column"):
+        build([path], text_column="body")
+
+
+def test_jsonl_whose_first_record_lacks_the_key_is_named(ray_cluster, tmp_path: Path) -> None:
+    path = demo_data.write_jsonl(tmp_path / "stories.jsonl", num_stories=10, key="content")
+    with pytest.raises(DataError, match=r"stories\.jsonl: first record has no key 'text' \(has: content, id\); set data.text_column"):
+        build([path])
+
+
+def test_too_few_blocks_for_one_optimizer_step(ray_cluster, tmp_path: Path) -> None:
+    path = demo_data.write_jsonl(tmp_path / "stories.jsonl", num_stories=20)
+    with pytest.raises(DataError, match=r"fewer than the 1000 one optimizer step needs; add data or lower"):
+        build([path], min_train_blocks=1000)
+
+
+def test_too_few_tokens_for_one_block(ray_cluster, tmp_path: Path) -> None:
+    path = tmp_path / "short.txt"
+    path.write_text("too short")  # 9 bytes + EOS < 33
+    with pytest.raises(DataError, match=r"fewer than block_size \+ 1 = 33 tokens; add text or lower data.block_size"):
+        build([path])
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary(ray_cluster, corpus: Path) -> None:
+    with pytest.raises(DataError, match=r"tokenizer 'byte' has 257 tokens but the model's vocabulary is 100"):
+        build([corpus], vocab_size=100)

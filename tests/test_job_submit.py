@@ -1,0 +1,96 @@
+"""`ray job submit` of a tiny run to a cluster started with `ray start --head` (token auth on)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpt2_platform.checkpoint import WEIGHTS_NAME
+from gpt2_platform.train.loop import TRAIN_STATE
+from gpt2_platform.train.trainer import FINAL_MODEL_DIR
+from ray_head import RayHead, start_head
+
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# The sources, configs and tests: what .gitignore leaves of the checkout is about 2 MB.
+MAX_UPLOAD_BYTES = 5 * 2**20
+
+
+@pytest.fixture
+def ray_head() -> Iterator[RayHead]:
+    head = start_head(num_cpus=2, object_store_bytes=200_000_000)
+    yield head
+    survivors = head.stop()
+    assert not survivors, f"processes of the test's Ray head outlived it and were killed: {survivors}"
+
+
+def tail(text: str, num_lines: int = 60) -> str:
+    return "\n".join(text.splitlines()[-num_lines:])
+
+
+def uploaded_size_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+def test_submitted_tiny_run_succeeds_and_leaves_a_checkpoint(ray_head: RayHead, corpus: Path, tmp_path: Path):
+    from transformers import AutoModelForCausalLM
+
+    # Auth is on: no token is refused with 401, a wrong one with 403; the CLI needs RAY_AUTH_MODE=token.
+    assert ray_head.get("/api/jobs/", token=None)[0] == 401
+    assert ray_head.get("/api/jobs/", token="not-the-token")[0] == 403
+    assert ray_head.get("/api/jobs/", token=ray_head.token) == (200, "[]")
+    listed = ray_head.ray("job", "list", "--address", ray_head.dashboard_url)
+    assert listed.returncode == 0, listed.stdout
+    without_mode = {key: value for key, value in ray_head.client_env().items() if key != "RAY_AUTH_MODE"}
+    refused = ray_head.ray("job", "list", "--address", ray_head.dashboard_url, env=without_mode)
+    assert refused.returncode != 0 and "Missing authentication token" in refused.stdout, refused.stdout
+
+    storage = tmp_path / "runs"
+    overrides = [
+        f"data.paths=[{corpus}]",
+        f"run.storage_path={storage}",
+        "run.name=submitted",
+        "scaling.num_workers=1",
+        "train.max_steps=6",
+        "train.checkpoint_every=3",
+        "train.log_every=3",
+        "train.eval_every=0",
+        "data.block_size=32",
+        "train.micro_batch_size=4",
+        "train.grad_accum_steps=1",
+    ]
+    entrypoint = ["python", "jobs/train.py", "--config", "jobs/configs/tiny.yaml"]
+    for override in overrides:
+        entrypoint += ["--set", override]
+    submitted = ray_head.ray(
+        "job", "submit", "--address", ray_head.dashboard_url, "--working-dir", str(REPO_ROOT), "--", *entrypoint,
+        cwd=REPO_ROOT, timeout_s=240,
+    )  # fmt: skip
+    assert submitted.returncode == 0, f"`ray job submit` failed:\n{tail(submitted.stdout)}"
+    submission_id = re.search(r"raysubmit_\w+", submitted.stdout).group(0)
+    assert f"Job '{submission_id}' succeeded" in submitted.stdout, tail(submitted.stdout)
+    status, body = ray_head.get(f"/api/jobs/{submission_id}", token=ray_head.token)
+    assert status == 200 and json.loads(body)["status"] == "SUCCEEDED", body
+
+    # What reached the cluster: the checkout less what .gitignore names (.venv, runs/, data/demo/).
+    runtime_resources = ray_head.session_dir / "runtime_resources"
+    packages = [path for path in (runtime_resources / "working_dir_files").glob("_ray_pkg_*") if path.is_dir()]
+    assert len(packages) == 1, packages
+    uploaded = packages[0]
+    assert (uploaded / "jobs" / "train.py").is_file()
+    assert not [name for name in (".venv", ".git", "runs", "data/demo") if (uploaded / name).exists()]
+    assert uploaded_size_bytes(uploaded) < MAX_UPLOAD_BYTES, sorted(path.name for path in uploaded.iterdir())
+    # The driver's py_modules (runtime.package_runtime_env) was merged with the job's working_dir.
+    assert list((runtime_resources / "py_modules_files").glob("_ray_pkg_*/gpt2_platform/__init__.py"))
+
+    run_dir = storage / "submitted"
+    checkpoint = run_dir / "checkpoint_step_00000006"
+    assert (checkpoint / WEIGHTS_NAME).is_file(), sorted(path.name for path in run_dir.iterdir())
+    assert json.loads((checkpoint / TRAIN_STATE).read_text())["step"] == 6
+    model = AutoModelForCausalLM.from_pretrained(run_dir / FINAL_MODEL_DIR)
+    assert (model.config.n_layer, model.config.vocab_size) == (2, 257)
