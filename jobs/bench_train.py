@@ -51,7 +51,12 @@ def main() -> int:
     print(header)
     print(as_markdown(results))
     if args.json_out:
-        args.json_out.write_text(json.dumps({"device": device_name, "torch": torch.__version__, "preset": args.preset, "results": to_json(results)}, indent=2))
+        args.json_out.write_text(
+            json.dumps(
+                {"device": device_name, "torch": torch.__version__, "preset": args.preset, "results": to_json(results)},
+                indent=2,
+            )
+        )
     return 0
 
 

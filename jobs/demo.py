@@ -35,22 +35,32 @@ def train() -> Path:
     from gpt2_platform.train.trainer import fit
 
     corpus = demo_data.write_text(ROOT / "data" / "demo" / "corpus.txt", num_stories=20000)
-    config = config_lib.load(ROOT / "jobs" / "configs" / "tiny.yaml", [f"data.paths=[{corpus}]", f"run.storage_path={ROOT / 'runs'}"])
+    config = config_lib.load(
+        ROOT / "jobs" / "configs" / "tiny.yaml", [f"data.paths=[{corpus}]", f"run.storage_path={ROOT / 'runs'}"]
+    )
     run_dir = Path(config.run.storage_path) / config.run.name
     if run_dir.exists():
         # The demo starts fresh each time; a real run of the same name would resume instead.
         shutil.rmtree(run_dir)
-    banner(f"fine-tuning the {config.model.preset} preset: {config.scaling.num_workers} Ray workers, {config.train.max_steps} steps")
-    print(f"corpus: {corpus} ({corpus.stat().st_size / 1e6:.1f} MB of generated stories, e.g. {demo_data.stories(1)[0]!r})")
+    banner(
+        f"fine-tuning the {config.model.preset} preset: {config.scaling.num_workers} Ray workers, {config.train.max_steps} steps"
+    )
+    print(
+        f"corpus: {corpus} ({corpus.stat().st_size / 1e6:.1f} MB of generated stories, e.g. {demo_data.stories(1)[0]!r})"
+    )
     start = time.perf_counter()
     result = fit(config)
     history = [json.loads(line) for line in (result.run_dir / "history.jsonl").read_text().splitlines()]
     steps = [h for h in history if "loss" in h]
     banner(f"trained in {time.perf_counter() - start:.0f} s")
-    print(f"loss: {steps[0]['loss']:.3f} at step {steps[0]['step']} -> {steps[-1]['loss']:.3f} at step {steps[-1]['step']}")
+    print(
+        f"loss: {steps[0]['loss']:.3f} at step {steps[0]['step']} -> {steps[-1]['loss']:.3f} at step {steps[-1]['step']}"
+    )
     val = [h for h in steps if "val_loss" in h]
     if val:
-        print(f"validation loss {val[-1]['val_loss']:.3f} (perplexity {val[-1]['val_ppl']:.2f}) at step {val[-1]['step']}")
+        print(
+            f"validation loss {val[-1]['val_loss']:.3f} (perplexity {val[-1]['val_ppl']:.2f}) at step {val[-1]['step']}"
+        )
     print(f"checkpoint: {result.checkpoint_dir}")
     print(f"model:      {result.model_dir}")
     return result.model_dir
@@ -66,7 +76,7 @@ def complete(model_dir: Path) -> None:
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    completion = tokenizer.decode(out[0, ids.shape[1]:])
+    completion = tokenizer.decode(out[0, ids.shape[1] :])
     print(f"prompt:     {PROMPT!r}\ncompletion: {completion!r}")
 
 

@@ -26,8 +26,14 @@ logger = logging.getLogger("train")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML recipe (jobs/configs/*.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. --set train.max_steps=100 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set train.max_steps=100 (repeatable)",
+    )
     parser.add_argument("--profile", action="store_true", help="record a torch.profiler trace (train.profile_steps)")
     args = parser.parse_args(argv)
 

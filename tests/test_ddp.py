@@ -73,4 +73,6 @@ def test_two_ddp_workers_match_one_process_with_the_same_global_batch(ray_cluste
         update = (expected - initial[name]).abs().max().item()
         difference = (ranks[0][name] - expected).abs().max().item()
         assert update > 0, f"{name} did not train"
-        assert difference <= 1e-4 * update + 1e-7, f"{name}: DDP differs by {difference:.2e} for an update of {update:.2e}"
+        assert difference <= 1e-4 * update + 1e-7, (
+            f"{name}: DDP differs by {difference:.2e} for an update of {update:.2e}"
+        )

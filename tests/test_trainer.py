@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
 
+from conftest import tiny_config
 from gpt2_platform.train.loop import HISTORY, OPTIMIZER_STATE, TRAIN_STATE
 from gpt2_platform.train.trainer import fit
 
@@ -31,7 +31,12 @@ def test_two_workers_learn_and_export_a_model_transformers_loads(ray_cluster, co
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = tiny_config(
-        corpus, tmp_path, "scaling.num_workers=2", "train.max_steps=40", "train.profile=true", "train.profile_steps=[2,3]"
+        corpus,
+        tmp_path,
+        "scaling.num_workers=2",
+        "train.max_steps=40",
+        "train.profile=true",
+        "train.profile_steps=[2,3]",
     )
     result = fit(config)
 
@@ -51,11 +56,15 @@ def test_two_workers_learn_and_export_a_model_transformers_loads(ray_cluster, co
     # The export loads with transformers and predicts the corpus' fixed frame.
     tokenizer = AutoTokenizer.from_pretrained(result.model_dir)
     model = AutoModelForCausalLM.from_pretrained(result.model_dir).eval()
-    ids = tokenizer("alice has 3 apples. bob gives alice 2 apples. now alice has 5 apples.", return_tensors="pt").input_ids
+    ids = tokenizer(
+        "alice has 3 apples. bob gives alice 2 apples. now alice has 5 apples.", return_tensors="pt"
+    ).input_ids
     with torch.no_grad():
         loss = model(ids, labels=ids).loss.item()
     untrained = math.log(config_vocab := model.config.vocab_size)
-    assert loss < untrained - 2.0, f"exported model should have learned the corpus (loss {loss:.2f}, chance {untrained:.2f})"
+    assert loss < untrained - 2.0, (
+        f"exported model should have learned the corpus (loss {loss:.2f}, chance {untrained:.2f})"
+    )
     assert config_vocab == 257
 
 
@@ -83,7 +92,9 @@ def test_worker_failure_resumes_from_checkpoint_and_resubmission_continues(ray_c
 def test_nan_loss_stops_the_run_without_a_checkpoint(ray_cluster, corpus, tmp_path):
     import ray.train
 
-    config = tiny_config(corpus, tmp_path, "optim.lr=1e30", "optim.warmup_steps=0", "train.log_every=1", "train.checkpoint_every=1")
+    config = tiny_config(
+        corpus, tmp_path, "optim.lr=1e30", "optim.warmup_steps=0", "train.log_every=1", "train.checkpoint_every=1"
+    )
     with pytest.raises(ray.train.TrainingFailedError) as failure:
         fit(config)
     message = str(failure.value)

@@ -191,12 +191,16 @@ def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, devic
     directory = resolve(name_or_path, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, "*.json", "*.txt"])
     weights = directory / WEIGHTS_NAME
     if not (directory / CONFIG_NAME).is_file() or not weights.is_file():
-        raise FileNotFoundError(f"{directory} must hold {CONFIG_NAME} and {WEIGHTS_NAME} (safetensors; pickle is not loaded)")
+        raise FileNotFoundError(
+            f"{directory} must hold {CONFIG_NAME} and {WEIGHTS_NAME} (safetensors; pickle is not loaded)"
+        )
     config = config_from_hf(AutoConfig.from_pretrained(directory))
     state_dict = from_hf_state_dict(load_file(str(weights)))
     model = GPT2(config)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     missing = [name for name in missing if name != "lm_head.weight"]
     if missing or unexpected:
-        raise ValueError(f"{weights} does not match a GPT-2 of this shape: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"{weights} does not match a GPT-2 of this shape: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     return model.to(device=device, dtype=dtype)

@@ -158,7 +158,9 @@ class TrainConfig:
         if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0):
             raise ConfigError(f"train.peak_tflops must be a positive number or null, got {self.peak_tflops}")
         if len(self.profile_steps) != 2 or not 1 <= self.profile_steps[0] <= self.profile_steps[1]:
-            raise ConfigError(f"train.profile_steps must be [first, last] with 1 <= first <= last, got {self.profile_steps}")
+            raise ConfigError(
+                f"train.profile_steps must be [first, last] with 1 <= first <= last, got {self.profile_steps}"
+            )
 
 
 @dataclass

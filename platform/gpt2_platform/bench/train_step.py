@@ -83,12 +83,22 @@ def build(variant: Variant, preset_name: str, device: torch.device) -> nn.Module
 
 
 def measure(
-    variant: Variant, preset_name: str, batch_size: int, seq_len: int, num_steps: int, warmup_steps: int, device: torch.device
+    variant: Variant,
+    preset_name: str,
+    batch_size: int,
+    seq_len: int,
+    num_steps: int,
+    warmup_steps: int,
+    device: torch.device,
 ) -> Measurement:
     """Build, warm up (compiling if asked), then time num_steps optimizer steps."""
     torch.manual_seed(0)
     model = build(variant, preset_name, device)
-    train_model = parallelize(model, device, variant.compile_mode, variant.gradient_checkpointing) if isinstance(model, GPT2) else model
+    train_model = (
+        parallelize(model, device, variant.compile_mode, variant.gradient_checkpointing)
+        if isinstance(model, GPT2)
+        else model
+    )
     if variant.compile_mode != "off" and not isinstance(model, GPT2):
         train_model = torch.compile(model)
     optimizer = build_optimizer(model, OptimConfig(), device)

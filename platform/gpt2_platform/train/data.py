@@ -28,7 +28,14 @@ from gpt2_platform.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-FORMATS_BY_SUFFIX = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+FORMATS_BY_SUFFIX = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+}
 TOKENS_COLUMN = "tokens"
 
 
@@ -39,7 +46,9 @@ class DataError(ValueError):
 def find_files(paths: list[str]) -> list[Path]:
     """Expand paths, directories and globs into a sorted list of files."""
     if not paths:
-        raise DataError("data.paths is empty; set it to files, directories or globs, e.g. --set data.paths=[corpus.txt]")
+        raise DataError(
+            "data.paths is empty; set it to files, directories or globs, e.g. --set data.paths=[corpus.txt]"
+        )
     files: list[Path] = []
     for spec in paths:
         expanded = os.path.expanduser(spec)
@@ -85,7 +94,9 @@ def _check_column(path: Path, fmt: str, column: str) -> None:
                     record = json.loads(line)
                     if not isinstance(record, dict) or column not in record:
                         keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                        raise DataError(f"{path}: first record has no key {column!r} (has: {keys}); set data.text_column")
+                        raise DataError(
+                            f"{path}: first record has no key {column!r} (has: {keys}); set data.text_column"
+                        )
                     return
 
 
@@ -105,7 +116,11 @@ def read_documents(config: DataConfig) -> ray.data.Dataset:
         parts.append(ds.map_batches(_decode_bytes, batch_format="pyarrow"))
     if "jsonl" in by_format:
         ds = ray.data.read_json(by_format["jsonl"], lines=True)
-        parts.append(ds.select_columns([column]).rename_columns({column: "text"}) if column != "text" else ds.select_columns(["text"]))
+        parts.append(
+            ds.select_columns([column]).rename_columns({column: "text"})
+            if column != "text"
+            else ds.select_columns(["text"])
+        )
     if "parquet" in by_format:
         ds = ray.data.read_parquet(by_format["parquet"], columns=[column])
         parts.append(ds.rename_columns({column: "text"}) if column != "text" else ds)

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from gpt2_platform import checkpoint as ckpt
 from gpt2_platform.config import Config, dump, from_dict
-from gpt2_platform.model import GPT2, flops_per_token
 from gpt2_platform.loading import build_model
+from gpt2_platform.model import GPT2, flops_per_token
 from gpt2_platform.train.parallelize import parallelize
 from gpt2_platform.train.step import TrainStep, build_optimizer, lr_at, resolve_precision
 from gpt2_platform.train.throughput import mfu, peak_memory_gib, peak_tflops
@@ -68,7 +68,9 @@ def micro_batches(
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, step_fn: TrainStep, val: Any, config: Config, device: torch.device) -> float | None:
+def evaluate(
+    model: torch.nn.Module, step_fn: TrainStep, val: Any, config: Config, device: torch.device
+) -> float | None:
     """Mean validation loss over up to eval_batches micro-batches per worker (rank r takes every r-th batch)."""
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -141,7 +143,9 @@ class Profiler:
             self.profiler = torch.profiler.profile(
                 activities=activities,
                 record_shapes=True,
-                on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.out_dir), worker_name=f"rank{self.rank}"),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                    str(self.out_dir), worker_name=f"rank{self.rank}"
+                ),
             )
             self.profiler.__enter__()
 
@@ -193,7 +197,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         with checkpoint.as_directory() as directory:
             state = load_weights(Path(directory), model)
     train_model = parallelize(model, device, tc.compile, tc.gradient_checkpointing)
-    step_fn = TrainStep(train_model, build_optimizer(model, config.optim, device), precision, device, config.optim.grad_clip)
+    step_fn = TrainStep(
+        train_model, build_optimizer(model, config.optim, device), precision, device, config.optim.grad_clip
+    )
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             load_optimizer(Path(directory), step_fn, device)
@@ -216,8 +222,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
         _append_history(run_dir, {"event": "start", "start_step": start_step, "world_size": world, "time": time.time()})
         logger.info(
             "training %s (%.1fM params) on %d x %s, %s, compile=%s, from step %d to %d, %d tokens/step",
-            config.model.init_from or config.model.preset, model.num_params() / 1e6, world, device.type,
-            precision.name, tc.compile, start_step, tc.max_steps, tokens_per_step,
+            config.model.init_from or config.model.preset,
+            model.num_params() / 1e6,
+            world,
+            device.type,
+            precision.name,
+            tc.compile,
+            start_step,
+            tc.max_steps,
+            tokens_per_step,
         )
     if start_step >= tc.max_steps:
         if rank == 0:
@@ -268,19 +281,30 @@ def train_loop_per_worker(loop_config: dict) -> None:
             metrics["mfu"] = utilization
         peak_mem = peak_memory_gib(device)
         if peak_mem is not None:
-            (metrics["peak_mem_gib"],) = _all_reduce([peak_mem], device, dist.ReduceOp.MAX if dist.is_initialized() else None)
+            (metrics["peak_mem_gib"],) = _all_reduce(
+                [peak_mem], device, dist.ReduceOp.MAX if dist.is_initialized() else None
+            )
         if do_eval:
             val_loss = evaluate(train_model, step_fn, val, config, device)
             if val_loss is not None:
                 metrics["val_loss"] = val_loss
                 metrics["val_ppl"] = math.exp(min(val_loss, 50.0))
-        _report(metrics, do_checkpoint, rank, run_dir, model, step_fn, config, {"step": step, "tokens_seen": tokens_seen})
+        _report(
+            metrics, do_checkpoint, rank, run_dir, model, step_fn, config, {"step": step, "tokens_seen": tokens_seen}
+        )
         window_loss.zero_()
         window_steps, window_start = 0, time.perf_counter()
 
 
 def _report(
-    metrics: dict, do_checkpoint: bool, rank: int, run_dir: Path, model: GPT2, step_fn: TrainStep, config: Config, state: dict
+    metrics: dict,
+    do_checkpoint: bool,
+    rank: int,
+    run_dir: Path,
+    model: GPT2,
+    step_fn: TrainStep,
+    config: Config,
+    state: dict,
 ) -> None:
     """Every rank reports (ray.train.report is a barrier); rank 0 alone attaches the checkpoint."""
     if rank == 0:
@@ -288,7 +312,12 @@ def _report(
         extra = "".join(f" {k}={metrics[k]:.4g}" for k in ("val_loss", "mfu", "peak_mem_gib") if k in metrics)
         logger.info(
             "step %d loss %.4f lr %.2e grad_norm %.3f %.0f tokens/s%s",
-            metrics["step"], metrics["loss"], metrics["lr"], metrics["grad_norm"], metrics["tokens_per_s"], extra,
+            metrics["step"],
+            metrics["loss"],
+            metrics["lr"],
+            metrics["grad_norm"],
+            metrics["tokens_per_s"],
+            extra,
         )
     if do_checkpoint and rank == 0:
         with tempfile.TemporaryDirectory() as directory:

@@ -22,8 +22,10 @@ def apply_activation_checkpointing(model: GPT2) -> None:
     # torch's wrapper keeps parameter names clean in state_dict() (it strips its own prefix).
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
-        apply_activation_checkpointing as apply,
         checkpoint_wrapper,
+    )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as apply,
     )
 
     apply(

@@ -90,7 +90,9 @@ class TrainStep:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.precision.autocast_dtype)
 
-    def __call__(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run forward/backward on each micro-batch and step; returns (mean loss, grad norm) on device."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -57,9 +57,13 @@ def validate(config: Config) -> None:
             f"lower data.block_size"
         )
     if config.train.fail_at_step is not None and config.train.fail_at_step > config.train.max_steps:
-        raise ConfigError(f"train.fail_at_step={config.train.fail_at_step} is past train.max_steps={config.train.max_steps}")
+        raise ConfigError(
+            f"train.fail_at_step={config.train.fail_at_step} is past train.max_steps={config.train.max_steps}"
+        )
     if config.train.compile != "off" and config.train.gradient_checkpointing:
-        logger.warning("gradient checkpointing under torch.compile recomputes through the compiled graph; expect slower steps")
+        logger.warning(
+            "gradient checkpointing under torch.compile recomputes through the compiled graph; expect slower steps"
+        )
 
 
 def export_model(checkpoint_dir: Path, config: Config, target: Path) -> Path:
@@ -81,7 +85,9 @@ def fit(config: Config) -> TrainResult:
     init_ray()
     run_dir = run_dir_of(config)
     tc, scaling = config.train, config.scaling
-    datasets = build_datasets(config.data, model_config(config.model).vocab_size, tc.micro_batch_size * scaling.num_workers)
+    datasets = build_datasets(
+        config.data, model_config(config.model).vocab_size, tc.micro_batch_size * scaling.num_workers
+    )
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
