@@ -39,6 +39,8 @@ DEFAULT_VARIANTS = [
     Variant("ours fp32", "ours", "fp32"),
     Variant("ours bf16", "ours", "bf16"),
     Variant("ours bf16 + compile", "ours", "bf16", "default"),
+    Variant("ours fp16 + GradScaler + compile", "ours", "fp16", "default"),
+    Variant("ours bf16 + compile + activation checkpointing", "ours", "bf16", "default", gradient_checkpointing=True),
 ]
 
 

@@ -1,0 +1,52 @@
+"""What only a CUDA GPU can show: bf16 and compile on the device, NCCL workers, MFU and peak memory.
+
+Skipped without CUDA; run on a GPU machine with `pytest -m gpu`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from gpt2_platform.config import OptimConfig
+from gpt2_platform.model import GPT2, preset
+from gpt2_platform.train.parallelize import parallelize
+from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_auto_precision_is_bf16_and_the_optimizer_fused_on_gpu():
+    device = torch.device("cuda")
+    assert resolve_precision("auto", device).name == "bf16"
+    optimizer = build_optimizer(GPT2(preset("tiny")).to(device), OptimConfig(), device)
+    assert optimizer.defaults["fused"] is True
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_compiled_mixed_precision_step_learns_a_batch_on_gpu(precision):
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = GPT2(preset("tiny")).to(device)
+    step = TrainStep(
+        parallelize(model, device, compile_mode="default"),
+        build_optimizer(model, OptimConfig(lr=3e-3, weight_decay=0.0), device),
+        resolve_precision(precision, device),
+        device,
+        grad_clip=1.0,
+    )
+    tokens = torch.randint(0, 257, (8, 65), device=device)
+    losses = [step([(tokens[:, :-1], tokens[:, 1:])], lr=3e-3)[0].item() for _ in range(30)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_ray_train_job_on_gpu_reports_mfu_and_peak_memory(ray_cluster, corpus, tmp_path):
+    from gpt2_platform.train.trainer import fit
+
+    config = tiny_config(corpus, tmp_path, "scaling.use_gpu=true", "train.precision=auto", "train.max_steps=10")
+    result = fit(config)
+    assert result.metrics["step"] == 10
+    assert 0 < result.metrics["mfu"] < 1
+    assert result.metrics["peak_mem_gib"] > 0
