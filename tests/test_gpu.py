@@ -50,3 +50,55 @@ def test_ray_train_job_on_gpu_reports_mfu_and_peak_memory(ray_cluster, corpus, t
     assert result.metrics["step"] == 10
     assert 0 < result.metrics["mfu"] < 1
     assert result.metrics["peak_mem_gib"] > 0
+
+
+def test_engine_with_cuda_graphs_matches_transformers_greedy_in_fp32(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from gpt2_platform import checkpoint
+    from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams
+    from gpt2_platform.engine.sampling import SamplingParams
+    from gpt2_platform.tokenizer import byte_tokenizer
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = GPT2(preset("tiny"))
+    checkpoint.save_pretrained(model, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").cuda().eval()
+    engine = Engine(model, byte_tokenizer(), EngineConfig(max_batch_size=8, max_seq_len=128, dtype="fp32")).start()
+    try:
+        assert engine.runner.use_graphs and engine.runner.graphs, "decode steps should be captured as CUDA graphs"
+        prompts = [[5, 6, 7], list(range(10, 40)), [100] * 17]
+        params = GenerationParams(max_tokens=32, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+        results = engine.generate(prompts, params)
+        for prompt, result in zip(prompts, results, strict=True):
+            with torch.no_grad():
+                reference = hf.generate(
+                    torch.tensor([prompt], device="cuda"),
+                    max_new_tokens=32,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )[0, len(prompt) :].tolist()
+            assert result.token_ids == reference
+    finally:
+        engine.shutdown()
+
+
+def test_engine_bf16_sampling_is_reproducible_per_seed_on_gpu():
+    from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams
+    from gpt2_platform.engine.sampling import SamplingParams
+    from gpt2_platform.tokenizer import byte_tokenizer
+
+    torch.manual_seed(0)
+    engine = Engine(GPT2(preset("tiny")), byte_tokenizer(), EngineConfig(max_batch_size=16, max_seq_len=128)).start()
+    try:
+        params = GenerationParams(
+            max_tokens=24, ignore_eos=True, sampling=SamplingParams(temperature=0.8, top_k=50, seed=3)
+        )
+        (alone,) = engine.generate([[1, 2, 3]], params)
+        crowd = engine.generate([[i, i + 1] for i in range(10)] + [[1, 2, 3]], params)
+        assert crowd[-1].token_ids == alone.token_ids
+        assert engine.runner.model.transformer.wte.weight.dtype == torch.bfloat16
+    finally:
+        engine.shutdown()

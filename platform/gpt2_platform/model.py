@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -52,22 +53,38 @@ def preset(name: str, **overrides: object) -> GPT2Config:
     return GPT2Config(**{**PRESETS[name].to_dict(), **overrides})
 
 
+class AttentionCache(Protocol):
+    """A key/value store for inference (see engine/cache.py); the model only asks it two things."""
+
+    def attend(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store this step's k, v `(B, nh, T, hs)`; return the keys, values and boolean mask to attend
+        over (mask None: plain causal attention over the given k, v)."""
+        ...
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPT2Config) -> None:
+    def __init__(self, config: GPT2Config, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        # SDPA picks flash / memory-efficient kernels on GPU.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        mask = None
+        if cache is not None:
+            k, v, mask = cache.attend(self.layer, k, v)
+        # SDPA picks flash / memory-efficient kernels on GPU (plain causal case).
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -85,15 +102,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPT2Config) -> None:
+    def __init__(self, config: GPT2Config, layer: int = 0) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -108,7 +125,7 @@ class GPT2(nn.Module):
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
                 wpe=nn.Embedding(config.n_positions, config.n_embd),
                 drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                h=nn.ModuleList(Block(config, layer) for layer in range(config.n_layer)),
                 ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
             )
         )
@@ -130,17 +147,31 @@ class GPT2(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(
-        self, input_ids: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        cache: AttentionCache | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits `(B, T, vocab)` and, given next-token targets `(B, T)`, the mean cross-entropy."""
+        """Logits `(B, T, vocab)` and, given next-token targets `(B, T)`, the mean cross-entropy.
+
+        For inference: `positions` `(B, T)` places the tokens (default 0..T-1), `cache`
+        keeps keys and values between calls, and `logits_at` `(B,)` picks the one
+        position per row whose logits are wanted (then `(B, vocab)`).
+        """
         B, T = input_ids.shape
         if T > self.config.n_positions:
             raise ValueError(f"sequence length {T} exceeds the model's context of {self.config.n_positions}")
-        pos = torch.arange(T, device=input_ids.device)
-        x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))  # (B, T, C)
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device)
+        x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(positions))  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+            x = block(x, cache)
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at]  # (B, C)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab) or (B, vocab)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)

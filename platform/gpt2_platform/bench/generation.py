@@ -1,0 +1,154 @@
+"""Generation benchmark: transformers' `generate` against our engine, same model, same prompts, one process."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams, resolve_dtype
+from gpt2_platform.engine.sampling import SamplingParams
+from gpt2_platform.model import GPT2, preset
+from gpt2_platform.tokenizer import byte_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationMeasurement:
+    implementation: str
+    batch_size: int
+    prompt_tokens: int
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float
+    ms_per_step: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab - 1, (batch, length), generator=generator)
+
+
+def hf_generate(
+    model: GPT2, prompts: torch.Tensor, new_tokens: int, dtype: torch.dtype, device: torch.device
+) -> GenerationMeasurement:
+    """transformers' generate (greedy, SDPA, dynamic cache), as users serve it today."""
+    from transformers import AutoModelForCausalLM
+
+    from gpt2_platform.checkpoint import save_pretrained
+
+    with tempfile.TemporaryDirectory() as directory:
+        save_pretrained(model, f"{directory}/model")
+        hf = AutoModelForCausalLM.from_pretrained(f"{directory}/model", attn_implementation="sdpa")
+    hf = hf.to(device=device, dtype=dtype).eval()
+    inputs = prompts.to(device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(inputs[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm up
+        _sync(device)
+        start = time.perf_counter()
+        hf.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
+        _sync(device)
+    seconds = time.perf_counter() - start
+    batch = prompts.shape[0]
+    return GenerationMeasurement(
+        "transformers generate",
+        batch,
+        prompts.shape[1],
+        new_tokens,
+        seconds,
+        batch * new_tokens / seconds,
+        1000 * seconds / new_tokens,
+    )
+
+
+def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> GenerationMeasurement:
+    """Our engine: all prompts submitted at once, continuous batching, greedy."""
+    params = GenerationParams(max_tokens=new_tokens, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+    rows = prompts.tolist()
+    engine.generate(rows[:1], GenerationParams(max_tokens=4, ignore_eos=True, sampling=SamplingParams(temperature=0.0)))
+    start = time.perf_counter()
+    results = engine.generate(rows, params)
+    seconds = time.perf_counter() - start
+    assert all(r.completion_tokens == new_tokens for r in results)
+    batch = prompts.shape[0]
+    return GenerationMeasurement(
+        "gpt2-platform engine",
+        batch,
+        prompts.shape[1],
+        new_tokens,
+        seconds,
+        batch * new_tokens / seconds,
+        1000 * seconds / new_tokens,
+    )
+
+
+def decode_step_latency(engine: Engine, batch: int, position: int, repeats: int = 200) -> float:
+    """Milliseconds per decode step at this batch size, host work included (tokens in, tokens out)."""
+    runner = engine.runner
+    tokens, positions, steps = [1] * batch, [position] * batch, [1] * batch
+    for _ in range(10):
+        runner.decode(tokens, positions, steps)
+    _sync(runner.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        runner.decode(tokens, positions, steps)
+    _sync(runner.device)
+    return 1000 * (time.perf_counter() - start) / repeats
+
+
+def run(
+    preset_name: str, batch_sizes: list[int], prompt_tokens: int, new_tokens: int, dtype_name: str, device: torch.device
+) -> dict:
+    torch.manual_seed(0)
+    model = GPT2(preset(preset_name))
+    dtype = resolve_dtype(dtype_name, device)
+    engine = Engine(
+        model,
+        byte_tokenizer(),
+        EngineConfig(max_batch_size=max(batch_sizes), max_seq_len=prompt_tokens + new_tokens, dtype=dtype_name),
+        device=device,
+    ).start()
+    rows = []
+    try:
+        latency = {b: decode_step_latency(engine, b, prompt_tokens) for b in sorted({1, *batch_sizes})}
+        for batch in batch_sizes:
+            prompts = random_prompts(batch, prompt_tokens, model.config.vocab_size)
+            ours = engine_generate(engine, prompts, new_tokens)
+            theirs = hf_generate(model, prompts, new_tokens, dtype, device)
+            rows += [asdict(theirs), asdict(ours)]
+            logger.info(
+                "batch %d: transformers %.0f tokens/s, engine %.0f tokens/s (%.1fx)",
+                batch,
+                theirs.tokens_per_s,
+                ours.tokens_per_s,
+                ours.tokens_per_s / theirs.tokens_per_s,
+            )
+    finally:
+        engine.shutdown()
+    return {"decode_step_ms": latency, "rows": rows, "stats": engine.stats()}
+
+
+def as_markdown(result: dict) -> str:
+    lines = [
+        "| batch | transformers tokens/s | engine tokens/s | speedup | transformers ms/step | engine ms/step |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows = result["rows"]
+    for theirs, ours in zip(rows[::2], rows[1::2], strict=True):
+        lines.append(
+            f"| {ours['batch_size']} | {theirs['tokens_per_s']:,.0f} | {ours['tokens_per_s']:,.0f} | "
+            f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.1f}x | {theirs['ms_per_step']:.2f} | {ours['ms_per_step']:.2f} |"
+        )
+    lines += ["", "| batch | engine decode step ms (host included) |", "|---|---|"]
+    lines += [f"| {b} | {ms:.3f} |" for b, ms in result["decode_step_ms"].items()]
+    return "\n".join(lines)

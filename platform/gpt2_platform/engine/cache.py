@@ -1,0 +1,69 @@
+"""A static key/value cache with one slot per running sequence.
+
+Preallocated once: `(n_layer, num_slots, n_head, max_seq_len, head_dim)` for keys
+and for values, so decoding never allocates and a CUDA graph can replay it. A
+sequence owns one slot from its prefill until it finishes; slot i is row i of
+every decode batch, so a decode step reads `[:batch, :, :span]` without a gather.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpt2_platform.model import GPT2Config
+
+
+class KVCache:
+    def __init__(
+        self, config: GPT2Config, num_slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        if max_seq_len > config.n_positions:
+            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's context of {config.n_positions}")
+        shape = (config.n_layer, num_slots, config.n_head, max_seq_len, config.n_embd // config.n_head)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def prefill(self, slots: torch.Tensor, positions: torch.Tensor) -> PrefillView:
+        """For a batch of prompts starting at position 0: rows go to `slots` `(B,)` at `positions` `(B, T)`."""
+        return PrefillView(self, slots, positions)
+
+    def decode(self, positions: torch.Tensor, span: int) -> DecodeView:
+        """For one new token in each of the first `B` slots at `positions` `(B,)`, attending over `[0, span)`."""
+        return DecodeView(self, positions, span)
+
+
+class PrefillView:
+    """Writes the prompt's keys and values; attention is plain causal over the prompt itself."""
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        self.cache, self.slots, self.positions = cache, slots[:, None], positions
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        # Index (B, 1) x (B, T) around the head dim: the target is (B, T, nh, hs).
+        self.cache.k[layer][self.slots, :, self.positions] = k.transpose(1, 2)
+        self.cache.v[layer][self.slots, :, self.positions] = v.transpose(1, 2)
+        return k, v, None
+
+
+class DecodeView:
+    """Writes one token per row and attends over the row's cache up to its own position."""
+
+    def __init__(self, cache: KVCache, positions: torch.Tensor, span: int) -> None:
+        batch = positions.shape[0]
+        self.cache, self.positions, self.span = cache, positions, span
+        self.rows = torch.arange(batch, device=positions.device)
+        # (B, 1, 1, span): a row sees positions 0..its own, nothing past it.
+        self.mask = (torch.arange(span, device=positions.device)[None, :] <= positions[:, None])[:, None, None, :]
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch = k.shape[0]
+        k_layer, v_layer = self.cache.k[layer], self.cache.v[layer]
+        k_layer[self.rows, :, self.positions] = k[:, :, 0]  # (B, nh, hs)
+        v_layer[self.rows, :, self.positions] = v[:, :, 0]
+        return k_layer[:batch, :, : self.span], v_layer[:batch, :, : self.span], self.mask

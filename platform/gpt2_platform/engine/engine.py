@@ -1,0 +1,442 @@
+"""The inference engine: continuous batching over a static KV cache.
+
+One background thread owns the model. Each iteration it admits waiting
+requests into free cache slots (a batched prefill that yields their first
+token), then runs one decode step for every running sequence. A request joins
+at the next step and leaves the step it finishes, so nobody waits for a batch
+to drain. Consumers submit from any thread and get events back through a
+callback; `stream()` wraps that for asyncio (Serve) and `generate()` blocks
+(Ray Data).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from gpt2_platform.engine.detokenize import IncrementalDetokenizer, find_stop
+from gpt2_platform.engine.runner import ModelRunner
+from gpt2_platform.engine.sampling import SamplingParams
+from gpt2_platform.model import GPT2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 32
+    """Sequences decoded together (KV cache slots)."""
+    max_seq_len: int | None = None
+    """Prompt plus generated tokens per sequence; None: the model's context."""
+    dtype: str = "auto"
+    """auto (bf16 on a GPU that has it, else fp32), bf16, fp16 or fp32."""
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs (GPU only)."""
+    max_prefill_tokens: int = 4096
+    """Prompt tokens admitted per iteration, bounding how long running sequences wait for a prefill."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
+            raise ValueError(f"dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 16
+    """Tokens to generate at most."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the generation; they are not part of the text."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-text token."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Event:
+    """What one request got from one engine step."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seed: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    """A finished request, as `generate()` returns it."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    seed: int
+    error: str | None = None
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; the replica must be replaced."""
+
+
+@dataclass
+class _Sequence:
+    request_id: int
+    prompt: list[int]
+    params: GenerationParams
+    on_event: Callable[[Event], None]
+    detokenizer: IncrementalDetokenizer
+    incremental: bool = True  # text per step (streaming, stop strings), or once at the end
+    slot: int = -1
+    generated: list[int] = field(default_factory=list)
+    emitted_chars: int = 0
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        name = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+class Engine:
+    def __init__(
+        self, model: GPT2, tokenizer: PreTrainedTokenizerBase, config: EngineConfig, device: torch.device | None = None
+    ) -> None:
+        device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self.max_seq_len = config.max_seq_len or model.config.n_positions
+        self.runner = ModelRunner(
+            model,
+            config.max_batch_size,
+            self.max_seq_len,
+            resolve_dtype(config.dtype, device),
+            device,
+            config.cuda_graphs,
+        )
+        self._ids = itertools.count(1)
+        self._waiting: deque[_Sequence] = deque()
+        self._cancelled: set[int] = set()
+        self._slots: list[_Sequence | None] = [None] * config.max_batch_size
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        # Counters, read by stats(): how the engine actually batched its work.
+        self.num_steps = 0
+        self.num_prefills = 0
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_finished = 0
+        self.batch_sizes: Counter[int] = Counter()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self, warmup: bool = True) -> Engine:
+        """Warm every shape, then start the loop thread."""
+        if warmup:
+            self.runner.warmup()
+        self._thread = threading.Thread(target=self._run, name="gpt2-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the loop has died."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop failed: {self._error!r}") from self._error
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineDeadError("engine loop is not running")
+
+    # ---- submitting --------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
+        """Raise ValueError for a request the engine cannot take, naming what is wrong."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty; send at least one token of text")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total}, over the "
+                f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens"
+            )
+        vocab = self.runner.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
+        params.sampling.validate()
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        on_event: Callable[[Event], None],
+        incremental_text: bool = True,
+    ) -> int:
+        """Queue a request; `on_event` is called from the engine thread with each step's output.
+
+        With `incremental_text=False` (and no stop strings) events carry tokens only and the
+        whole text comes with the last one: detokenizing every token of a large batch costs
+        more host time than the GPU step itself.
+        """
+        self.check_health()
+        params = GenerationParams(params.max_tokens, tuple(params.stop), params.ignore_eos, params.sampling.resolved())
+        self.validate(prompt_ids, params)
+        sequence = _Sequence(
+            next(self._ids),
+            list(prompt_ids),
+            params,
+            on_event,
+            IncrementalDetokenizer(self.tokenizer),
+            incremental=incremental_text or bool(params.stop),
+        )
+        with self._wakeup:
+            self._waiting.append(sequence)
+            self._wakeup.notify()
+        return sequence.request_id
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request (a client went away); its slot is free after the current step."""
+        with self._wakeup:
+            self._cancelled.add(request_id)
+            self._wakeup.notify()
+
+    async def stream(self, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[Event]:
+        """Events as they come; closing the iterator early cancels the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        request_id = self.submit(prompt_ids, params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:
+                self.cancel(request_id)
+
+    def generate(self, prompts: list[list[int]], params: list[GenerationParams] | GenerationParams) -> list[Completion]:
+        """Run many requests to the end and return them in order (blocking)."""
+        if isinstance(params, GenerationParams):
+            params = [params] * len(prompts)
+        done = threading.Semaphore(0)
+        results: dict[int, list[Event]] = {}
+
+        def collect(event: Event) -> None:
+            results.setdefault(event.request_id, []).append(event)
+            if event.finished:
+                done.release()
+
+        ids = [
+            self.submit(prompt, p, collect, incremental_text=False) for prompt, p in zip(prompts, params, strict=True)
+        ]
+        for _ in ids:
+            while not done.acquire(timeout=1.0):
+                self.check_health()
+        return [self._completion(results[i]) for i in ids]
+
+    @staticmethod
+    def _completion(events: list[Event]) -> Completion:
+        last = events[-1]
+        return Completion(
+            token_ids=[t for e in events for t in e.token_ids],
+            text="".join(e.text for e in events),
+            finish_reason=last.finish_reason or "error",
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            seed=last.seed,
+            error=last.error,
+        )
+
+    def stats(self) -> dict:
+        running = sum(s is not None for s in self._slots)
+        return {
+            "steps": self.num_steps,
+            "prefills": self.num_prefills,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generated_tokens": self.num_generated_tokens,
+            "finished": self.num_finished,
+            "running": running,
+            "waiting": len(self._waiting),
+            "max_batch_size_seen": max(self.batch_sizes, default=0),
+            "batch_sizes": dict(sorted(self.batch_sizes.items())),
+        }
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wakeup:
+                    while not self._stopping and not self._waiting and not self._has_running():
+                        self._wakeup.wait()
+                    if self._stopping:
+                        return
+                    cancelled, self._cancelled = self._cancelled, set()
+                self._drop_cancelled(cancelled)
+                self._admit()
+                if self._has_running():
+                    self._decode()
+        except BaseException as error:  # the loop must report any failure to every waiting caller
+            logger.exception("engine loop failed")
+            self._error = error
+            self._fail_all(error)
+
+    def _has_running(self) -> bool:
+        return any(s is not None for s in self._slots)
+
+    def _drop_cancelled(self, cancelled: set[int]) -> None:
+        if not cancelled:
+            return
+        with self._wakeup:
+            self._waiting = deque(s for s in self._waiting if s.request_id not in cancelled)
+        for sequence in self._slots:
+            if sequence is not None and sequence.request_id in cancelled:
+                self._finish(sequence, "abort", [], "")
+
+    def _admit(self) -> None:
+        """Prefill waiting requests into free slots (lowest first, keeping decode batches small)."""
+        admitted: list[_Sequence] = []
+        budget = self.config.max_prefill_tokens
+        with self._wakeup:
+            free = [i for i, s in enumerate(self._slots) if s is None]
+            while self._waiting and free and (not admitted or len(self._waiting[0].prompt) <= budget):
+                sequence = self._waiting.popleft()
+                sequence.slot = free.pop(0)
+                budget -= len(sequence.prompt)
+                self._slots[sequence.slot] = sequence
+                admitted.append(sequence)
+        if not admitted:
+            return
+        for sequence in admitted:
+            s = sequence.params.sampling
+            self.runner.set_sampling(sequence.slot, s.temperature, s.top_k, s.top_p, s.seed)
+        first = self.runner.prefill([s.prompt for s in admitted], [s.slot for s in admitted])
+        self.num_prefills += 1
+        self.num_prompt_tokens += sum(len(s.prompt) for s in admitted)
+        for sequence, token in zip(admitted, first, strict=True):
+            self._append(sequence, token)
+
+    def _decode(self) -> None:
+        last = max(i for i, s in enumerate(self._slots) if s is not None) + 1
+        tokens, positions, steps = [0] * last, [0] * last, [0] * last
+        for i, sequence in enumerate(self._slots[:last]):
+            if sequence is not None:
+                tokens[i] = sequence.generated[-1]
+                positions[i] = len(sequence.prompt) + len(sequence.generated) - 1
+                steps[i] = len(sequence.generated)
+        next_tokens = self.runner.decode(tokens, positions, steps)
+        running = [s for s in self._slots[:last] if s is not None]
+        self.num_steps += 1
+        self.batch_sizes[len(running)] += 1
+        for sequence in running:
+            self._append(sequence, next_tokens[sequence.slot])
+
+    def _append(self, sequence: _Sequence, token: int) -> None:
+        """Record one generated token; emit its text, or finish the sequence."""
+        params = sequence.params
+        self.num_generated_tokens += 1
+        sequence.generated.append(token)
+        is_eos = token == self.eos_token_id and not params.ignore_eos
+        if not sequence.incremental:
+            # One event at the end with every token: per-token events cost host time per step.
+            if is_eos or len(sequence.generated) >= params.max_tokens:
+                tokens = sequence.generated[:-1] if is_eos else sequence.generated
+                self._finish(sequence, "stop" if is_eos else "length", tokens, self._final_text(sequence))
+            return
+        if is_eos:
+            self._finish(sequence, "stop", [], self._final_text(sequence))
+            return
+        detokenizer = sequence.detokenizer
+        before = len(detokenizer.text)
+        detokenizer.add(token)
+        if params.stop:
+            cut = find_stop(detokenizer.text, list(params.stop), before)
+            if cut is not None:
+                self._finish(sequence, "stop", [token], self._pending_text(sequence, cut))
+                return
+        if len(sequence.generated) >= params.max_tokens:
+            self._finish(sequence, "length", [token], self._final_text(sequence))
+            return
+        # Hold back a tail that could still become a stop string.
+        hold = max((len(stop) - 1 for stop in params.stop), default=0)
+        text = self._pending_text(sequence, max(sequence.emitted_chars, len(detokenizer.text) - hold))
+        sequence.on_event(Event(sequence.request_id, [token], text, seed=params.sampling.seed))
+
+    def _final_text(self, sequence: _Sequence) -> str:
+        """The text not yet emitted, decoded whole (this also flushes an unfinished character)."""
+        ids = sequence.generated
+        if ids and ids[-1] == self.eos_token_id and not sequence.params.ignore_eos:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids)
+        return self._pending_text_of(sequence, text)
+
+    @staticmethod
+    def _pending_text_of(sequence: _Sequence, text: str) -> str:
+        pending = text[sequence.emitted_chars :]
+        sequence.emitted_chars = len(text)
+        return pending
+
+    @staticmethod
+    def _pending_text(sequence: _Sequence, end: int) -> str:
+        text = sequence.detokenizer.text[sequence.emitted_chars : end]
+        sequence.emitted_chars = max(sequence.emitted_chars, end)
+        return text
+
+    def _finish(
+        self, sequence: _Sequence, reason: str, token_ids: list[int], text: str, error: str | None = None
+    ) -> None:
+        if 0 <= sequence.slot < len(self._slots) and self._slots[sequence.slot] is sequence:
+            self._slots[sequence.slot] = None
+        self.num_finished += 1
+        sequence.on_event(
+            Event(
+                sequence.request_id,
+                token_ids,
+                text,
+                finish_reason=reason,
+                prompt_tokens=len(sequence.prompt),
+                completion_tokens=len(sequence.generated),
+                seed=sequence.params.sampling.seed,
+                error=error,
+            )
+        )
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._wakeup:
+            pending = [s for s in self._slots if s is not None] + list(self._waiting)
+            self._waiting.clear()
+        for sequence in pending:
+            try:
+                self._finish(sequence, "error", [], "", error=f"engine failed: {error!r}")
+            except Exception:  # a consumer's callback must not hide the original failure
+                logger.exception("could not deliver the engine failure to request %d", sequence.request_id)

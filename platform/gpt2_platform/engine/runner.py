@@ -1,0 +1,173 @@
+"""Runs the model for the engine: batched prefill, and a decode step replayed as CUDA graphs.
+
+Decode shapes are bucketed, batch to a power of two and attention span to a
+power of two, so a small set of graphs covers every step. On CPU the same
+code runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from gpt2_platform.engine.cache import KVCache
+from gpt2_platform.engine.sampling import sample
+from gpt2_platform.model import GPT2
+
+logger = logging.getLogger(__name__)
+
+
+def buckets(limit: int, start: int) -> list[int]:
+    """Powers of two from `start` up to `limit`, ending with `limit` itself."""
+    sizes, size = [], start
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, limit]
+
+
+def bucket_for(value: int, sizes: list[int]) -> int:
+    for size in sizes:
+        if size >= value:
+            return size
+    raise AssertionError(f"{value} exceeds the largest bucket {sizes[-1]}")
+
+
+class ModelRunner:
+    """Owns the model on its device, the KV cache, the per-slot sampling state and the decode graphs."""
+
+    def __init__(
+        self, model: GPT2, num_slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device, cuda_graphs: bool
+    ) -> None:
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.device = device
+        self.cache = KVCache(model.config, num_slots, max_seq_len, dtype, device)
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.batch_buckets = buckets(num_slots, 1)
+        self.span_buckets = buckets(max_seq_len, min(64, max_seq_len))
+        self.use_graphs = cuda_graphs and device.type == "cuda"
+        # Static inputs of the decode step, one column per slot; a graph reads columns [:B].
+        # Rows: token, position, step; one pinned host buffer feeds them in one copy.
+        self.inputs = torch.zeros(3, num_slots, dtype=torch.long, device=device)
+        self.tokens, self.positions, self.steps = self.inputs
+        self.host_inputs = torch.zeros(3, num_slots, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.greedy = [True] * num_slots  # host copy: a step of greedy rows only skips sampling
+        self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def set_sampling(self, slot: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
+        """A new sequence's sampling parameters, kept on the device for every later step."""
+        self.greedy[slot] = temperature <= 0
+        self.temperature[slot] = temperature
+        self.top_k[slot] = top_k
+        self.top_p[slot] = top_p
+        self.seed[slot] = seed
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
+        """Run new prompts (each from position 0) into their slots; returns each one's first token."""
+        batch, longest = len(prompts), max(len(p) for p in prompts)
+        # Round the padded length up, so prompts of similar lengths share kernels and allocations.
+        width = min(self.max_seq_len, -(-longest // 16) * 16)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            tokens[row, : len(prompt)] = torch.tensor(prompt)
+        tokens = tokens.to(self.device)
+        slot_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
+        positions = torch.arange(width, device=self.device).expand(batch, width)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        view = self.cache.prefill(slot_ids, positions)
+        logits, _ = self.model(tokens, positions=positions, cache=view, logits_at=last)  # (B, vocab)
+        first = sample(
+            logits,
+            self.temperature[slot_ids],
+            self.top_k[slot_ids],
+            self.top_p[slot_ids],
+            self.seed[slot_ids],
+            torch.zeros(batch, dtype=torch.long, device=self.device),
+        )
+        return first.tolist()
+
+    def _decode_step(self, batch: int, span: int, greedy: bool) -> torch.Tensor:
+        """One token for rows [:batch], attending over [0, span); reads only the static buffers."""
+        positions = self.positions[:batch]
+        view = self.cache.decode(positions, span)
+        logits, _ = self.model(self.tokens[:batch, None], positions=positions[:, None], cache=view)
+        if greedy:
+            # The same argmax `sample` takes for temperature-0 rows, without its sort and noise.
+            return torch.argmax(logits[:, -1].float(), dim=-1)
+        return sample(
+            logits[:, -1],
+            self.temperature[:batch],
+            self.top_k[:batch],
+            self.top_p[:batch],
+            self.seed[:batch],
+            self.steps[:batch],
+        )
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int], steps: list[int]) -> list[int]:
+        """The next token for slots 0..len(tokens)-1 (rows of finished slots are computed and ignored)."""
+        active = len(tokens)
+        batch = bucket_for(active, self.batch_buckets)
+        span = bucket_for(max(positions) + 1, self.span_buckets)
+        greedy = all(self.greedy[:active])
+        self.host_inputs[:, :active] = torch.tensor([tokens, positions, steps], dtype=torch.long)
+        self.inputs[:, :active].copy_(self.host_inputs[:, :active], non_blocking=True)
+        if batch > active:
+            # Padding rows write position 0 of unused slots, which a later prefill overwrites.
+            self.positions[active:batch] = 0
+        if self.use_graphs:
+            graph, out = self.graphs.get((batch, span, greedy)) or self._capture(batch, span, greedy)
+            graph.replay()
+        else:
+            out = self._decode_step(batch, span, greedy)
+        return out[:active].tolist()
+
+    def _capture(self, batch: int, span: int, greedy: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels (and cuBLAS workspaces) outside the graph
+                self._decode_step(batch, span, greedy)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool()):
+            out = self._decode_step(batch, span, greedy)
+        self.graphs[(batch, span, greedy)] = (graph, out)
+        return graph, out
+
+    def _pool(self):
+        if not hasattr(self, "_graph_pool"):
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
+
+    @torch.inference_mode()
+    def warmup(self) -> float:
+        """Run (and on CUDA capture) every decode shape and a prefill, before serving; returns seconds."""
+        start = time.perf_counter()
+        self.positions.zero_()
+        for batch in self.batch_buckets:
+            for span in self.span_buckets:
+                for greedy in (True, False):
+                    if self.use_graphs:
+                        self._capture(batch, span, greedy)
+                    else:
+                        self._decode_step(batch, span, greedy)
+        self.prefill([[0] * min(16, self.max_seq_len)], [0])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "engine warm: %d batch x %d span shapes%s in %.1f s",
+            len(self.batch_buckets),
+            len(self.span_buckets),
+            " captured as CUDA graphs" if self.use_graphs else "",
+            elapsed,
+        )
+        return elapsed

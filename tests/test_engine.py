@@ -1,0 +1,211 @@
+"""The inference engine on CPU: exact greedy parity with transformers, continuous batching, seeds, stops."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from gpt2_platform import checkpoint, demo_data
+from gpt2_platform.config import OptimConfig
+from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, GenerationParams
+from gpt2_platform.engine.sampling import SamplingParams
+from gpt2_platform.model import GPT2, preset
+from gpt2_platform.tokenizer import byte_tokenizer
+from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision
+
+PROMPTS = ["alice has 3 apples.", "bob", "the quick brown fox jumps over the lazy dog and", "now carol has 12"]
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT2:
+    """A tiny GPT-2 trained for a few seconds on the demo stories, so that it writes ASCII text."""
+    torch.manual_seed(0)
+    model = GPT2(preset("tiny"))
+    device = torch.device("cpu")
+    step = TrainStep(
+        model, build_optimizer(model, OptimConfig(lr=5e-3), device), resolve_precision("fp32", device), device, 1.0
+    )
+    text = " ".join(demo_data.stories(400)).encode()
+    tokens = torch.tensor(list(text[: 64 * 65 * 4]), dtype=torch.long).view(-1, 65)
+    for i in range(60):
+        batch = tokens[(i * 16) % len(tokens) :][:16]
+        step([(batch[:, :-1], batch[:, 1:])], lr=5e-3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture
+def engine(model, tokenizer):
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=4, max_seq_len=128, dtype="fp32")).start()
+    yield engine
+    engine.shutdown()
+
+
+def greedy(max_tokens: int, **kwargs) -> GenerationParams:
+    return GenerationParams(max_tokens=max_tokens, ignore_eos=True, sampling=SamplingParams(temperature=0.0), **kwargs)
+
+
+def test_greedy_output_equals_transformers_generate_for_prompts_of_different_lengths(
+    engine, model, tokenizer, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    checkpoint.save_pretrained(model, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    ours = engine.generate(prompts, greedy(40))
+    for prompt, completion in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            reference = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(prompt) :].tolist()
+        assert completion.token_ids == reference
+        assert completion.finish_reason == "length" and completion.completion_tokens == 40
+    assert engine.stats()["max_batch_size_seen"] == len(PROMPTS), "the prompts should have been decoded together"
+
+
+def test_a_request_that_joins_a_running_batch_gets_the_tokens_it_gets_alone(engine, tokenizer):
+    late = tokenizer("bob gives")["input_ids"]
+    (alone,) = engine.generate([late], greedy(20))
+
+    started = threading.Event()
+    events = []
+
+    def on_event(event):
+        events.append(event)
+        if len(events) == 5:
+            started.set()
+
+    engine.submit(tokenizer(PROMPTS[2])["input_ids"], greedy(60), on_event)
+    assert started.wait(30)
+    steps_before = engine.stats()["steps"]
+    (joined,) = engine.generate([late], greedy(20))
+    assert joined.token_ids == alone.token_ids
+    assert not events[-1].finished, "the long request was still running when the late one finished"
+    assert engine.stats()["steps"] - steps_before < 40, "the late request did not wait for the batch to drain"
+    assert engine.stats()["batch_sizes"].get(2, 0) > 0
+
+
+def test_the_same_seed_gives_the_same_text_alone_and_in_a_batch(engine, tokenizer):
+    sampled = GenerationParams(
+        max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    )
+    prompt = tokenizer("alice has")["input_ids"]
+    (alone,) = engine.generate([prompt], sampled)
+    others = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    other_params = [
+        GenerationParams(max_tokens=30, sampling=SamplingParams(temperature=1.0, seed=s)) for s in (1, 2, 3)
+    ]
+    batch = engine.generate([*others, prompt], [*other_params, sampled])
+    assert batch[-1].text == alone.text and batch[-1].seed == 7
+    different = GenerationParams(max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=8))
+    assert engine.generate([prompt], different)[0].token_ids != alone.token_ids
+
+
+def test_an_unseeded_request_reports_the_seed_that_reproduces_it(engine, tokenizer):
+    prompt = tokenizer("carol")["input_ids"]
+    first = engine.generate(
+        [prompt], GenerationParams(max_tokens=20, ignore_eos=True, sampling=SamplingParams(temperature=1.0))
+    )[0]
+    again = GenerationParams(max_tokens=20, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=first.seed))
+    assert engine.generate([prompt], again)[0].token_ids == first.token_ids
+
+
+def test_stop_strings_end_the_text_before_the_stop(engine, tokenizer):
+    prompt = tokenizer(PROMPTS[0])["input_ids"]
+    (full,) = engine.generate([prompt], greedy(30))
+    # A two-character stop string that first occurs a few characters in.
+    stop = next(full.text[i : i + 2] for i in range(3, 25) if full.text.index(full.text[i : i + 2]) == i)
+    (stopped,) = engine.generate([prompt], greedy(30, stop=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.index(stop)]
+
+
+def test_eos_ends_a_request_unless_ignored(model, tokenizer):
+    # Make every final hidden state the same vector b, and EOS's embedding 10 b: EOS always wins.
+    biased = GPT2(model.config)
+    biased.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        biased.transformer.ln_f.weight.zero_()
+        biased.transformer.ln_f.bias.copy_(torch.randn(model.config.n_embd))
+        biased.transformer.wte.weight[tokenizer.eos_token_id] = 10 * biased.transformer.ln_f.bias
+    engine = Engine(biased, tokenizer, EngineConfig(max_batch_size=2, max_seq_len=64, dtype="fp32")).start()
+    try:
+        prompt = tokenizer("alice")["input_ids"]
+        (stopped,) = engine.generate([prompt], GenerationParams(max_tokens=10, sampling=SamplingParams(temperature=0)))
+        assert stopped.finish_reason == "stop" and stopped.text == "" and stopped.completion_tokens == 1
+        (ignored,) = engine.generate([prompt], greedy(10))
+        assert ignored.finish_reason == "length" and ignored.completion_tokens == 10
+    finally:
+        engine.shutdown()
+
+
+def test_streaming_yields_text_deltas_and_a_disconnect_frees_the_slot(engine, tokenizer):
+    prompt = tokenizer(PROMPTS[1])["input_ids"]
+    (reference,) = engine.generate([prompt], greedy(12))
+
+    async def consume(limit: int | None) -> list:
+        events = []
+        async for event in engine.stream(prompt, greedy(12 if limit is None else 100)):
+            events.append(event)
+            if limit is not None and len(events) == limit:
+                break  # the client goes away
+        return events
+
+    events = asyncio.run(consume(None))
+    assert "".join(e.text for e in events) == reference.text
+    assert events[-1].finish_reason == "length" and sum(len(e.token_ids) for e in events) == 12
+
+    asyncio.run(consume(3))
+    deadline = time.monotonic() + 5
+    while engine.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats()["running"] == 0, "the abandoned request still holds its slot"
+
+
+def test_more_requests_than_slots_all_finish(engine, tokenizer):
+    prompts = [tokenizer(f"request {i}")["input_ids"] for i in range(11)]
+    results = engine.generate(prompts, greedy(8))
+    assert all(r.completion_tokens == 8 for r in results)
+    assert engine.stats()["max_batch_size_seen"] == 4
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], greedy(4), "prompt is empty"),
+        ([1] * 120, greedy(20), "over the context of 128"),
+        ([1, 2], greedy(0), "max_tokens"),
+        ([1, 999], greedy(4), "outside the vocabulary"),
+        ([1, 2], {"temperature": -1}, "temperature"),
+        ([1, 2], {"top_p": 0}, "top_p"),
+        ([1, 2], {"top_k": -3}, "top_k"),
+    ],
+)
+def test_bad_requests_are_refused_with_a_reason(engine, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        if isinstance(params, dict):  # SamplingParams refuses bad values as it is built
+            params = GenerationParams(sampling=SamplingParams(**params))
+        engine.submit(prompt, params, lambda event: None)
+    assert engine.stats()["waiting"] == 0
+
+
+def test_a_dead_loop_fails_waiting_requests_and_health(model, tokenizer):
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=2, max_seq_len=64, dtype="fp32")).start(warmup=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    engine.runner.decode = broken
+    (result,) = engine.generate([[1, 2, 3]], greedy(5))
+    assert result.finish_reason == "error" and "device lost" in result.error
+    with pytest.raises(EngineDeadError):
+        engine.check_health()
