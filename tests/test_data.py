@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
+import random
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import pytest
+import ray.data
 
 from gpt2_platform import demo_data
 from gpt2_platform.config import DataConfig
@@ -64,7 +68,7 @@ def check_packing(blocks: np.ndarray, documents: list[str], num_files: int) -> N
     ends = {doc[len(doc) - k :] for doc in encoded for k in range(min(len(doc), WIDTH) + 1)}
     for block in blocks:
         eos = [-1, *np.flatnonzero(block == EOS), WIDTH]
-        for i, (left, right) in enumerate(zip(eos[:-1], eos[1:])):
+        for i, (left, right) in enumerate(pairwise(eos)):
             piece = bytes(block[left + 1 : right].astype(np.uint8))
             if 0 < i < len(eos) - 2:
                 assert piece in whole
@@ -74,13 +78,18 @@ def check_packing(blocks: np.ndarray, documents: list[str], num_files: int) -> N
                 assert piece in ends
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
-def test_jsonl_and_parquet_records_pack_into_blocks(ray_cluster, tmp_path: Path, fmt: str) -> None:
-    write = {"jsonl": demo_data.write_jsonl, "parquet": demo_data.write_parquet}[fmt]
-    path = write(tmp_path / f"stories.{fmt}", num_stories=600, seed=1)
-    datasets = build([path])
-    blocks = all_blocks(datasets)
+@pytest.mark.parametrize(
+    ("fmt", "column"), [("jsonl", "text"), ("parquet", "text"), ("jsonl", "body"), ("parquet", "body")]
+)
+def test_jsonl_and_parquet_records_pack_into_blocks(ray_cluster, tmp_path: Path, fmt: str, column: str) -> None:
+    if fmt == "jsonl":
+        path = demo_data.write_jsonl(tmp_path / "stories.jsonl", num_stories=600, seed=1, key=column)
+    else:
+        path = demo_data.write_parquet(tmp_path / "stories.parquet", num_stories=600, seed=1, column=column)
+    datasets = build([path], text_column=column)
+    assert datasets.train.columns() == [TOKENS_COLUMN]
     assert datasets.val is None and datasets.num_val_blocks == 0
+    blocks = all_blocks(datasets)
     assert len(blocks) == datasets.num_train_blocks
     check_packing(blocks, demo_data.stories(600, seed=1), num_files=1)
 
@@ -107,20 +116,18 @@ def test_text_files_in_a_directory_are_documents_separated_by_eos(ray_cluster, t
     check_packing(all_blocks(build([directory])), documents, num_files=len(documents))
 
 
-def test_the_text_column_is_configurable_for_jsonl_and_parquet(ray_cluster, tmp_path: Path) -> None:
-    jsonl = demo_data.write_jsonl(tmp_path / "a.jsonl", num_stories=300, seed=2, key="body")
-    parquet = demo_data.write_parquet(tmp_path / "b.parquet", num_stories=300, seed=3, column="body")
-    datasets = build([jsonl, parquet], text_column="body")
-    assert datasets.train.columns() == [TOKENS_COLUMN]
-    documents = demo_data.stories(300, seed=2) + demo_data.stories(300, seed=3)
-    check_packing(all_blocks(datasets), documents, num_files=2)
-
-
 def test_a_mixed_list_of_text_jsonl_and_parquet_files(ray_cluster, tmp_path: Path) -> None:
-    text = demo_data.write_text(tmp_path / "a.txt", num_stories=100, seed=4)
-    jsonl = demo_data.write_jsonl(tmp_path / "b.jsonl", num_stories=200, seed=5)
-    parquet = demo_data.write_parquet(tmp_path / "c.parquet", num_stories=200, seed=6)
-    documents = [text.read_text(), *demo_data.stories(200, seed=5), *demo_data.stories(200, seed=6)]
+    # BUG (train/data.py, read_documents): Ray Data reads JSONL into pandas blocks, text and Parquet into
+    # Arrow blocks; when one map_batches batch of TokenizeAndPack spans both kinds, Ray's batcher fails
+    # (AssertionError: (BlockType.PANDAS, BlockType.ARROW)). With under 256 documents in all, every file
+    # lands in one batch, so JSONL + text or JSONL + Parquet always fails (larger files fail whenever a
+    # batch straddles two sources). Fix (tried): map every source to an Arrow `text` column before the
+    # union: part.map_batches(lambda t: pa.table({"text": t.column("text")}), batch_format="pyarrow",
+    # batch_size=None).
+    text = demo_data.write_text(tmp_path / "a.txt", num_stories=40, seed=4)
+    jsonl = demo_data.write_jsonl(tmp_path / "b.jsonl", num_stories=60, seed=5)
+    parquet = demo_data.write_parquet(tmp_path / "c.parquet", num_stories=60, seed=6)
+    documents = [text.read_text(), *demo_data.stories(60, seed=5), *demo_data.stories(60, seed=6)]
     # Each source is far larger than the dropped tails, so the count check fails if one is missing.
     check_packing(all_blocks(build([text, jsonl, parquet])), documents, num_files=3)
 
@@ -131,8 +138,9 @@ def test_a_directory_and_a_glob_read_the_same_files(ray_cluster, tmp_path: Path)
     by_directory = build([tmp_path / "shards"])
     by_glob = build([f"{tmp_path}/shards/**/part-*.jsonl"])
     documents = [doc for i in range(3) for doc in demo_data.stories(100, seed=10 + i)]
+    assert find_files([str(tmp_path / "shards")]) == find_files([f"{tmp_path}/shards/**/part-*.jsonl"])
+    check_packing(all_blocks(by_directory), documents, num_files=3)
     check_packing(all_blocks(by_glob), documents, num_files=3)
-    assert sorted_blocks(all_blocks(by_glob)) == sorted_blocks(all_blocks(by_directory))
     assert len(find_files([f"{tmp_path}/shards/sub[01]/*.jsonl"])) == 2
 
 
@@ -161,12 +169,49 @@ def test_val_fraction_zero_gives_no_validation_set(ray_cluster, split_corpus: Pa
 
 
 def test_the_split_is_deterministic_for_a_seed(ray_cluster, split_corpus: Path) -> None:
+    # Fails now and then on the unfixed package (often right after Ray's workers start): the blocks
+    # themselves change between builds; see test_a_rebuilt_split_never_trains_on_validation_text.
     first = build([split_corpus], val_fraction=0.1, seed=7)
     again = build([split_corpus], val_fraction=0.1, seed=7)
     other = build([split_corpus], val_fraction=0.1, seed=8)
-    assert sorted_blocks(rows(first.val)) == sorted_blocks(rows(again.val))
     assert np.array_equal(rows(first.train), rows(again.train)), "same seed, same train blocks in the same order"
+    assert sorted_blocks(rows(first.val)) == sorted_blocks(rows(again.val))
     assert sorted_blocks(rows(first.val)) != sorted_blocks(rows(other.val)), "another seed holds out other blocks"
+
+
+def whole_documents(blocks: np.ndarray) -> set[bytes]:
+    """The documents that lie whole between two EOS of one block."""
+    found = set()
+    for block in blocks:
+        eos = np.flatnonzero(block == EOS)
+        for left, right in pairwise(eos):
+            found.add(bytes(block[left + 1 : right].astype(np.uint8)))
+    return found
+
+
+def test_a_rebuilt_split_never_trains_on_validation_text(ray_cluster, tmp_path: Path, monkeypatch) -> None:
+    # A resumed run rebuilds the split, maybe on a resized cluster. Ray Data cuts a small file into
+    # 2 x (cluster CPUs) read blocks, or more when target_min_block_size allows: shrinking that
+    # minimum cuts the file as a bigger cluster would.
+    # BUG (train/data.py, read_documents + build_datasets): blocks are packed per map_batches batch,
+    # whose edges follow Ray's read blocks (cluster size) and their arrival order (task timing), and
+    # the split then shuffles whole blocks. Rebuilt, the blocks differ and the same seed holds out
+    # other text: documents validated on before the resume are trained on after it. Seen with no
+    # setting changed too: a 1000-document file gave different blocks and splits on 1-, 4- and
+    # 16-CPU clusters, and twice in a row on one 4-CPU cluster. Fix (tried; this file then passes):
+    # read one block per file (override_num_blocks=len(files) in each ray.data.read_*) and set
+    # DataContext execution_options.preserve_order = True, so batches no longer depend on the cluster
+    # or timing. Or split documents rather than blocks (by a seeded hash), then pack each side.
+    rng = random.Random(0)
+    path = tmp_path / "numbered.jsonl"  # numbered, so no two documents are equal
+    path.write_text("".join(json.dumps({"text": f"{i}: {demo_data.story(rng)}"}) + "\n" for i in range(600)))
+    fields = {"val_fraction": 0.1, "seed": 7, "block_size": 128}  # blocks that hold whole documents
+    held_out = whole_documents(rows(build([path], **fields).val))
+    assert held_out
+    monkeypatch.setattr(ray.data.DataContext.get_current(), "target_min_block_size", 2 * 1024)
+    trained = whole_documents(rows(build([path], **fields).train))
+    leaked = held_out & trained
+    assert not leaked, f"{len(leaked)} of {len(held_out)} validation documents are trained on after the rebuild"
 
 
 # ---- errors: a DataError that names the file or column and what to set -------------------------------
@@ -211,13 +256,28 @@ def test_unusable_paths_are_named_with_the_field_to_fix(ray_cluster, tmp_path: P
 
 def test_parquet_without_the_text_column_lists_its_columns(ray_cluster, tmp_path: Path) -> None:
     path = demo_data.write_parquet(tmp_path / "stories.parquet", num_stories=10)
-    with pytest.raises(DataError, match=r"stories\.parquet has no column 'body' \(columns: text, id\); set data.text_column"):
+    with pytest.raises(
+        DataError, match=r"stories\.parquet has no column 'body' \(columns: text, id\); set data.text_column"
+    ):
         build([path], text_column="body")
 
 
 def test_jsonl_whose_first_record_lacks_the_key_is_named(ray_cluster, tmp_path: Path) -> None:
     path = demo_data.write_jsonl(tmp_path / "stories.jsonl", num_stories=10, key="content")
-    with pytest.raises(DataError, match=r"stories\.jsonl: first record has no key 'text' \(has: content, id\); set data.text_column"):
+    with pytest.raises(
+        DataError, match=r"stories\.jsonl: first record has no key 'text' \(has: content, id\); set data.text_column"
+    ):
+        build([path])
+
+
+def test_a_json_array_file_is_a_data_error_naming_the_file(ray_cluster, tmp_path: Path) -> None:
+    # BUG (train/data.py, _check_column): .json maps to JSONL, and a pretty-printed JSON array's first
+    # line "[" makes json.loads raise a bare JSONDecodeError ("Expecting value: line 1 column 2"), with no
+    # file name or hint. Catch json.JSONDecodeError there and raise a DataError naming the file and
+    # saying that one JSON object per line is expected.
+    path = tmp_path / "stories.json"
+    path.write_text('[\n  {"text": "alice has 3 apples."}\n]\n')
+    with pytest.raises(DataError, match=r"stories\.json"):
         build([path])
 
 

@@ -109,29 +109,26 @@ def decode_step_latency(engine: Engine, batch: int, position: int, repeats: int 
 def run(
     preset_name: str, batch_sizes: list[int], prompt_tokens: int, new_tokens: int, dtype_name: str, device: torch.device
 ) -> dict:
+    """transformers first (before our engine exists, so nothing of ours runs beside it), then the engine."""
     torch.manual_seed(0)
     model = GPT2(preset(preset_name))
     dtype = resolve_dtype(dtype_name, device)
-    engine = Engine(
-        model,
-        byte_tokenizer(),
-        EngineConfig(max_batch_size=max(batch_sizes), max_seq_len=prompt_tokens + new_tokens, dtype=dtype_name),
-        device=device,
-    ).start()
+    prompts = {b: random_prompts(b, prompt_tokens, model.config.vocab_size) for b in batch_sizes}
+    theirs = {b: hf_generate(model, prompts[b], new_tokens, dtype, device) for b in batch_sizes}
+    config = EngineConfig(max_batch_size=max(batch_sizes), max_seq_len=prompt_tokens + new_tokens, dtype=dtype_name)
+    engine = Engine(model, byte_tokenizer(), config, device=device).start()
     rows = []
     try:
         latency = {b: decode_step_latency(engine, b, prompt_tokens) for b in sorted({1, *batch_sizes})}
         for batch in batch_sizes:
-            prompts = random_prompts(batch, prompt_tokens, model.config.vocab_size)
-            ours = engine_generate(engine, prompts, new_tokens)
-            theirs = hf_generate(model, prompts, new_tokens, dtype, device)
-            rows += [asdict(theirs), asdict(ours)]
+            ours = engine_generate(engine, prompts[batch], new_tokens)
+            rows += [asdict(theirs[batch]), asdict(ours)]
             logger.info(
                 "batch %d: transformers %.0f tokens/s, engine %.0f tokens/s (%.1fx)",
                 batch,
-                theirs.tokens_per_s,
+                theirs[batch].tokens_per_s,
                 ours.tokens_per_s,
-                ours.tokens_per_s / theirs.tokens_per_s,
+                ours.tokens_per_s / theirs[batch].tokens_per_s,
             )
     finally:
         engine.shutdown()

@@ -55,19 +55,19 @@ def find_files(paths: list[str]) -> list[Path]:
         if glob.has_magic(expanded):
             matches = [Path(p) for p in sorted(glob.glob(expanded, recursive=True)) if Path(p).is_file()]
             if not matches:
-                raise DataError(f"data path {spec!r} matches no files")
+                raise DataError(f"data path {spec!r} matches no files; fix data.paths")
         elif Path(expanded).is_dir():
             matches = sorted(p for p in Path(expanded).rglob("*") if p.is_file() and not p.name.startswith("."))
             if not matches:
-                raise DataError(f"data directory {spec!r} holds no files")
+                raise DataError(f"data directory {spec!r} holds no files; fix data.paths")
         elif Path(expanded).is_file():
             matches = [Path(expanded)]
         else:
-            raise DataError(f"data path {spec!r} does not exist")
+            raise DataError(f"data path {spec!r} does not exist; fix data.paths")
         files.extend(matches)
     files = sorted(set(p.resolve() for p in files))
     if all(p.stat().st_size == 0 for p in files):
-        raise DataError(f"data files are all empty: {', '.join(map(str, files[:5]))}")
+        raise DataError(f"data files are all empty: {', '.join(map(str, files[:5]))}; point data.paths at text")
     return files
 
 
@@ -91,7 +91,12 @@ def _check_column(path: Path, fmt: str, column: str) -> None:
         with path.open() as f:
             for line in f:
                 if line.strip():
-                    record = json.loads(line)
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as error:
+                        raise DataError(
+                            f"{path}: first line is not a JSON object ({error}); JSONL needs one object per line"
+                        ) from error
                     if not isinstance(record, dict) or column not in record:
                         keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
                         raise DataError(
@@ -100,31 +105,51 @@ def _check_column(path: Path, fmt: str, column: str) -> None:
                     return
 
 
-def read_documents(config: DataConfig) -> ray.data.Dataset:
-    """One row per document with a `text` column, from every configured file."""
+def files_by_format(config: DataConfig) -> dict[str, list[str]]:
+    """The non-empty data files grouped by format, each checked for the text column (no Ray needed)."""
     by_format: dict[str, list[str]] = {}
     for path in find_files(config.paths):
         fmt = file_format(path, config.format)
         if path.stat().st_size:
             _check_column(path, fmt, config.text_column)
             by_format.setdefault(fmt, []).append(str(path))
+    return by_format
+
+
+def read_documents(config: DataConfig) -> ray.data.Dataset:
+    """One row per document with a `text` column, from every configured file.
+
+    Each file is read as one block, so that packing, and therefore the seeded
+    train/validation split, comes out the same on any cluster size (a resumed
+    run must not train on what it validated on before).
+    """
+    by_format = files_by_format(config)
     parts = []
     column = config.text_column
     if "text" in by_format:
         # A plain text file is one document: read whole, so line breaks survive.
-        ds = ray.data.read_binary_files(by_format["text"])
+        ds = ray.data.read_binary_files(by_format["text"], override_num_blocks=len(by_format["text"]))
         parts.append(ds.map_batches(_decode_bytes, batch_format="pyarrow"))
     if "jsonl" in by_format:
-        ds = ray.data.read_json(by_format["jsonl"], lines=True)
+        ds = ray.data.read_json(by_format["jsonl"], lines=True, override_num_blocks=len(by_format["jsonl"]))
         parts.append(
             ds.select_columns([column]).rename_columns({column: "text"})
             if column != "text"
             else ds.select_columns(["text"])
         )
     if "parquet" in by_format:
-        ds = ray.data.read_parquet(by_format["parquet"], columns=[column])
+        ds = ray.data.read_parquet(
+            by_format["parquet"], columns=[column], override_num_blocks=len(by_format["parquet"])
+        )
         parts.append(ds.rename_columns({column: "text"}) if column != "text" else ds)
+    parts = [p.map_batches(_as_arrow, batch_format="pyarrow", batch_size=None) for p in parts]
     return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+
+
+def _as_arrow(batch):
+    import pyarrow as pa
+
+    return pa.table({"text": batch.column("text")})
 
 
 def _decode_bytes(batch):
@@ -164,14 +189,18 @@ class TokenizeAndPack:
 
 
 @contextmanager
-def _progress_bars(enabled: bool) -> Iterator[None]:
+def _data_context(preserve_order: bool | None = None, progress_bars: bool | None = None) -> Iterator[None]:
+    """Settings for the Datasets created inside (a Dataset keeps the DataContext it was made with)."""
     context = ray.data.DataContext.get_current()
-    before = context.enable_progress_bars
-    context.enable_progress_bars = enabled
+    before = (context.execution_options.preserve_order, context.enable_progress_bars)
+    if preserve_order is not None:
+        context.execution_options.preserve_order = preserve_order
+    if progress_bars is not None:
+        context.enable_progress_bars = progress_bars
     try:
         yield
     finally:
-        context.enable_progress_bars = before
+        context.execution_options.preserve_order, context.enable_progress_bars = before
 
 
 @dataclass
@@ -190,10 +219,11 @@ def build_datasets(config: DataConfig, vocab_size: int, min_train_blocks: int) -
             f"tokenizer {config.tokenizer!r} has {len(tokenizer)} tokens but the model's vocabulary is {vocab_size}; "
             "use a matching tokenizer or model"
         )
-    docs = read_documents(config)
-    blocks = docs.map_batches(
-        TokenizeAndPack(config.tokenizer, config.block_size), batch_size=256, batch_format="numpy"
-    ).materialize()
+    with _data_context(preserve_order=True):
+        docs = read_documents(config)
+        blocks = docs.map_batches(
+            TokenizeAndPack(config.tokenizer, config.block_size), batch_size=256, batch_format="numpy"
+        ).materialize()
     total = blocks.count()
     if total == 0:
         raise DataError(
@@ -208,7 +238,7 @@ def build_datasets(config: DataConfig, vocab_size: int, min_train_blocks: int) -
             f"the data makes {total} blocks of {config.block_size} tokens ({num_val} held out for validation), "
             f"fewer than the {min_train_blocks} one optimizer step needs; add data or lower the batch or block size"
         )
-    with _progress_bars(False):
+    with _data_context(preserve_order=True, progress_bars=False):
         # The workers re-read validation at every evaluation; a Dataset keeps the
         # DataContext it was made with, so its bars are switched off here.
         if num_val:

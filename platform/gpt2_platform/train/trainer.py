@@ -16,7 +16,7 @@ from gpt2_platform.config import Config, ConfigError, dump
 from gpt2_platform.loading import model_config
 from gpt2_platform.runtime import init_ray
 from gpt2_platform.tokenizer import load_tokenizer
-from gpt2_platform.train.data import build_datasets
+from gpt2_platform.train.data import build_datasets, files_by_format
 from gpt2_platform.train.loop import HISTORY, train_loop_per_worker
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"train.fail_at_step={config.train.fail_at_step} is past train.max_steps={config.train.max_steps}"
         )
+    files_by_format(config.data)  # paths, formats and the text column, before Ray starts
     if config.train.compile != "off" and config.train.gradient_checkpointing:
         logger.warning(
             "gradient checkpointing under torch.compile recomputes through the compiled graph; expect slower steps"
