@@ -60,19 +60,24 @@ def gumbel_noise(seed: Tensor, step: Tensor, vocab_size: int) -> Tensor:
 def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """Set to -inf every logit outside the row's top-k, then outside its nucleus (B, V)."""
     vocab_size = logits.shape[-1]
-    sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # (B, V)
+    # Sorted probabilities, not logits: the same order, and the cumsum then reads a plain buffer (torch 2.11's
+    # inductor fails to generate a CUDA split scan that broadcasts a per-row value). float64, so that rounding
+    # differences between eager, compiled and batch shapes practically never move a top-p boundary.
+    probs = torch.softmax(logits.double(), dim=-1)  # (B, V)
+    sorted_probs = torch.sort(probs, dim=-1, descending=True).values  # (B, V)
+    cumulative = torch.cumsum(sorted_probs, dim=-1)  # (B, V), non-decreasing
     # Top-k as a threshold on the k-th largest value: ties with it stay, whatever the sort order.
     num_top_k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)  # (B,)
-    kth_largest = sorted_logits.gather(-1, (num_top_k - 1)[:, None])  # (B, 1)
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, -math.inf)
+    kth_largest = sorted_probs.gather(-1, (num_top_k - 1)[:, None])  # (B, 1)
+    num_top_k_kept = (sorted_probs >= kth_largest).sum(-1)  # (B,)
+    top_k_mass = cumulative.gather(-1, (num_top_k_kept - 1)[:, None])  # (B, 1)
     # Top-p on what top-k kept: the tokens whose cumulative mass is still below top_p, and the one reaching it.
-    cumulative = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)  # (B, V), non-decreasing
-    num_nucleus = (cumulative < (top_p - _TOP_P_SLACK)[:, None]).sum(-1) + 1  # (B,)
-    num_nucleus = torch.where(top_p >= 1.0, vocab_size, num_nucleus)
+    below_top_p = cumulative < (top_p.double() - _TOP_P_SLACK)[:, None] * top_k_mass  # (B, V)
+    num_nucleus = torch.where(top_p >= 1.0, vocab_size, below_top_p.sum(-1) + 1)  # (B,)
     # Both filters keep a prefix of the sorted row (at least the top token); its last value is the threshold.
-    num_kept = torch.minimum(num_nucleus, (sorted_logits > -math.inf).sum(-1)).clamp(1, vocab_size)  # (B,)
-    threshold = sorted_logits.gather(-1, (num_kept - 1)[:, None])  # (B, 1)
-    return logits.masked_fill(logits < threshold, -math.inf)
+    num_kept = torch.minimum(num_nucleus, num_top_k_kept).clamp(1, vocab_size)  # (B,)
+    threshold = sorted_probs.gather(-1, (num_kept - 1)[:, None])  # (B, 1)
+    return logits.masked_fill(probs < threshold, -math.inf)
 
 
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, step: Tensor) -> Tensor:
