@@ -29,11 +29,12 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     configure_logging()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    result = run(args.preset, args.batch_sizes, args.prompt_tokens, args.new_tokens, args.dtype, device)
+    result = run(args.preset, args.batch_sizes, args.prompt_tokens, args.new_tokens, args.dtype, device, args.compile)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"{args.preset}, {args.prompt_tokens} prompt + {args.new_tokens} new tokens, {name}, torch {torch.__version__}"

@@ -209,3 +209,15 @@ def test_a_dead_loop_fails_waiting_requests_and_health(model, tokenizer):
     assert result.finish_reason == "error" and "device lost" in result.error
     with pytest.raises(EngineDeadError):
         engine.check_health()
+
+
+def test_a_plain_sampled_request_is_the_same_beside_a_top_k_neighbour(engine, tokenizer):
+    # Alone it runs in the sort-free "plain" mode; beside a top-k request the step filters every row.
+    plain = GenerationParams(max_tokens=24, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=11))
+    prompt = tokenizer("dave has")["input_ids"]
+    (alone,) = engine.generate([prompt], plain)
+    neighbour = GenerationParams(
+        max_tokens=24, ignore_eos=True, sampling=SamplingParams(temperature=1.0, top_k=5, seed=1)
+    )
+    together = engine.generate([tokenizer("erin")["input_ids"], prompt], [neighbour, plain])
+    assert together[1].token_ids == alone.token_ids

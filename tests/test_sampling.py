@@ -284,3 +284,16 @@ def test_params_to_tensors_rejects_unresolved_seeds_and_mismatched_steps() -> No
         params_to_tensors([SamplingParams(seed=1), SamplingParams()], steps=[0, 0], device="cpu")
     with pytest.raises(ValueError, match="steps"):
         params_to_tensors([SamplingParams(seed=1)], steps=[0, 1], device="cpu")
+
+
+def test_unfiltered_sampling_equals_filtered_when_no_row_is_limited():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300)
+    args = (
+        torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 1.0]),
+        torch.zeros(6, dtype=torch.long),
+        torch.ones(6),
+        torch.arange(6, dtype=torch.long) * 7,
+        torch.arange(6, dtype=torch.long),
+    )
+    assert torch.equal(sample(logits, *args, filtered=False), sample(logits, *args))

@@ -53,7 +53,9 @@ def hf_generate(
     inputs = prompts.to(device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        hf.generate(inputs[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm up
+        # Warm up at the measured shapes: cuDNN plans its attention per sequence length on first
+        # use, which made an untimed-warm-up run 8x slower per step than the steady state.
+        hf.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
         _sync(device)
         start = time.perf_counter()
         hf.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
@@ -107,7 +109,13 @@ def decode_step_latency(engine: Engine, batch: int, position: int, repeats: int 
 
 
 def run(
-    preset_name: str, batch_sizes: list[int], prompt_tokens: int, new_tokens: int, dtype_name: str, device: torch.device
+    preset_name: str,
+    batch_sizes: list[int],
+    prompt_tokens: int,
+    new_tokens: int,
+    dtype_name: str,
+    device: torch.device,
+    compile_step: bool = False,
 ) -> dict:
     """transformers first (before our engine exists, so nothing of ours runs beside it), then the engine."""
     torch.manual_seed(0)
@@ -115,7 +123,9 @@ def run(
     dtype = resolve_dtype(dtype_name, device)
     prompts = {b: random_prompts(b, prompt_tokens, model.config.vocab_size) for b in batch_sizes}
     theirs = {b: hf_generate(model, prompts[b], new_tokens, dtype, device) for b in batch_sizes}
-    config = EngineConfig(max_batch_size=max(batch_sizes), max_seq_len=prompt_tokens + new_tokens, dtype=dtype_name)
+    config = EngineConfig(
+        max_batch_size=max(batch_sizes), max_seq_len=prompt_tokens + new_tokens, dtype=dtype_name, compile=compile_step
+    )
     engine = Engine(model, byte_tokenizer(), config, device=device).start()
     rows = []
     try:
@@ -132,7 +142,7 @@ def run(
             )
     finally:
         engine.shutdown()
-    return {"decode_step_ms": latency, "rows": rows, "stats": engine.stats()}
+    return {"decode_step_ms": latency, "rows": rows, "stats": engine.stats(), "compile": compile_step}
 
 
 def as_markdown(result: dict) -> str:

@@ -41,6 +41,8 @@ class EngineConfig:
     """auto (bf16 on a GPU that has it, else fp32), bf16, fp16 or fp32."""
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs (GPU only)."""
+    compile: bool = False
+    """torch.compile the decode step (dynamic shapes: one compilation covers every bucket) before capture."""
     max_prefill_tokens: int = 4096
     """Prompt tokens admitted per iteration, bounding how long running sequences wait for a prefill."""
 

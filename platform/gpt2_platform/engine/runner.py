@@ -39,7 +39,14 @@ class ModelRunner:
     """Owns the model on its device, the KV cache, the per-slot sampling state and the decode graphs."""
 
     def __init__(
-        self, model: GPT2, num_slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device, cuda_graphs: bool
+        self,
+        model: GPT2,
+        num_slots: int,
+        max_seq_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        cuda_graphs: bool,
+        compile_step: bool = False,
     ) -> None:
         self.model = model.to(device=device, dtype=dtype).eval()
         self.device = device
@@ -53,16 +60,22 @@ class ModelRunner:
         self.inputs = torch.zeros(3, num_slots, dtype=torch.long, device=device)
         self.tokens, self.positions, self.steps = self.inputs
         self.host_inputs = torch.zeros(3, num_slots, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.greedy = [True] * num_slots  # host copy: a step of greedy rows only skips sampling
+        # Host copies of what decides the sampling mode of a step (see `_mode`).
+        self.greedy = [True] * num_slots
+        self.limited = [False] * num_slots  # top-k or top-p set
         self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.seed = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Compiled with dynamic shapes, the step fuses its small kernels (layer norms, GELU,
+        # residuals) once for every bucket; the graphs are then captured around the fused step.
+        self.step = torch.compile(self._decode_step, dynamic=True) if compile_step else self._decode_step
 
     def set_sampling(self, slot: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
         """A new sequence's sampling parameters, kept on the device for every later step."""
         self.greedy[slot] = temperature <= 0
+        self.limited[slot] = top_k > 0 or top_p < 1.0
         self.temperature[slot] = temperature
         self.top_k[slot] = top_k
         self.top_p[slot] = top_p
@@ -93,12 +106,18 @@ class ModelRunner:
         )
         return first.tolist()
 
-    def _decode_step(self, batch: int, span: int, greedy: bool) -> torch.Tensor:
+    def _mode(self, active: int) -> str:
+        """greedy (argmax only), plain (no top-k/top-p: no sort), or filtered; one graph each."""
+        if all(self.greedy[:active]):
+            return "greedy"
+        return "filtered" if any(self.limited[:active]) else "plain"
+
+    def _decode_step(self, batch: int, span: int, mode: str) -> torch.Tensor:
         """One token for rows [:batch], attending over [0, span); reads only the static buffers."""
         positions = self.positions[:batch]
         view = self.cache.decode(positions, span)
         logits, _ = self.model(self.tokens[:batch, None], positions=positions[:, None], cache=view)
-        if greedy:
+        if mode == "greedy":
             # The same argmax `sample` takes for temperature-0 rows, without its sort and noise.
             return torch.argmax(logits[:, -1].float(), dim=-1)
         return sample(
@@ -108,6 +127,7 @@ class ModelRunner:
             self.top_p[:batch],
             self.seed[:batch],
             self.steps[:batch],
+            filtered=mode == "filtered",
         )
 
     @torch.inference_mode()
@@ -116,30 +136,30 @@ class ModelRunner:
         active = len(tokens)
         batch = bucket_for(active, self.batch_buckets)
         span = bucket_for(max(positions) + 1, self.span_buckets)
-        greedy = all(self.greedy[:active])
+        mode = self._mode(active)
         self.host_inputs[:, :active] = torch.tensor([tokens, positions, steps], dtype=torch.long)
         self.inputs[:, :active].copy_(self.host_inputs[:, :active], non_blocking=True)
         if batch > active:
             # Padding rows write position 0 of unused slots, which a later prefill overwrites.
             self.positions[active:batch] = 0
         if self.use_graphs:
-            graph, out = self.graphs.get((batch, span, greedy)) or self._capture(batch, span, greedy)
+            graph, out = self.graphs.get((batch, span, mode)) or self._capture(batch, span, mode)
             graph.replay()
         else:
-            out = self._decode_step(batch, span, greedy)
+            out = self.step(batch, span, mode)
         return out[:active].tolist()
 
-    def _capture(self, batch: int, span: int, greedy: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: int, span: int, mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up kernels (and cuBLAS workspaces) outside the graph
-                self._decode_step(batch, span, greedy)
+                self.step(batch, span, mode)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool()):
-            out = self._decode_step(batch, span, greedy)
-        self.graphs[(batch, span, greedy)] = (graph, out)
+            out = self.step(batch, span, mode)
+        self.graphs[(batch, span, mode)] = (graph, out)
         return graph, out
 
     def _pool(self):
@@ -154,11 +174,11 @@ class ModelRunner:
         self.positions.zero_()
         for batch in self.batch_buckets:
             for span in self.span_buckets:
-                for greedy in (True, False):
+                for mode in ("greedy", "plain", "filtered"):
                     if self.use_graphs:
-                        self._capture(batch, span, greedy)
+                        self._capture(batch, span, mode)
                     else:
-                        self._decode_step(batch, span, greedy)
+                        self.step(batch, span, mode)
         self.prefill([[0] * min(16, self.max_seq_len)], [0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
