@@ -188,6 +188,7 @@ def test_more_requests_than_slots_all_finish(engine, tokenizer):
         ([1, 2], {"temperature": -1}, "temperature"),
         ([1, 2], {"top_p": 0}, "top_p"),
         ([1, 2], {"top_k": -3}, "top_k"),
+        ([1, 2], {"top_k": 2**63}, "top_k"),
     ],
 )
 def test_bad_requests_are_refused_with_a_reason(engine, prompt, params, message):

@@ -87,6 +87,9 @@ def test_worker_failure_resumes_from_checkpoint_and_resubmission_continues(ray_c
     assert starts[-1] == 10
     assert optimizer_steps(again.checkpoint_dir) == 12
     assert again.metrics["step"] == 12
+    # Checkpoints were taken at steps 4, 8, 10 and 12; Ray keeps the last train.keep_checkpoints (2).
+    kept = sorted(p.name for p in again.run_dir.glob("checkpoint_step_*"))
+    assert kept == ["checkpoint_step_00000010", "checkpoint_step_00000012"]
 
 
 def test_nan_loss_stops_the_run_without_a_checkpoint(ray_cluster, corpus, tmp_path):

@@ -126,8 +126,8 @@ class SamplingParams:
         """Raise ValueError naming the first field that is out of range."""
         if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be a finite number in [0, 100] (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be an integer in [0, 2**31) (0 = no limit), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 = no limit), got {self.top_p}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):

@@ -1,0 +1,192 @@
+"""Load-test a running Serve app: sweep client concurrency, report throughput and latency.
+
+    serve run deployments/gpt2.yaml &                         # or any URL serving /v1/completions
+    python jobs/bench_serve.py --url http://127.0.0.1:8000 --concurrency 1 4 16 64 --json-out serve.json
+
+Each level keeps `concurrency` streaming requests in flight until `--requests`
+have finished. Every request has the same prompt length (token ids, so the
+length is exact whatever the tokenizer) and generates exactly `--max-tokens`
+tokens (ignore_eos). Reported per level: requests/s, generated tokens/s, time to
+first token (first streamed chunk) p50/p99, time per output token after the
+first p50/p99, and how many requests failed (429s included). Needs only httpx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+# Printable ASCII ids: single-byte tokens in GPT-2's BPE and in the byte tokenizer alike.
+_FIRST_ID, _NUM_IDS = 32, 95
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    status: int
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    completion_tokens: int = 0
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    requests: int
+    failed: int
+    seconds: float
+    requests_per_s: float
+    generated_tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    per_token_p50_ms: float
+    per_token_p99_ms: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def prompt_ids(length: int, index: int) -> list[int]:
+    """A prompt of exactly `length` token ids, different per request (no prefix caching to exploit)."""
+    return [_FIRST_ID + (index * 7 + position * 13) % _NUM_IDS for position in range(length)]
+
+
+async def one_request(client: httpx.AsyncClient, body: dict) -> RequestResult:
+    """Stream one completion; time its first chunk and its end, count its tokens from the usage chunk."""
+    started = time.perf_counter()
+    first_chunk_at, completion_tokens = None, 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return RequestResult(ok=False, status=response.status_code)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                return RequestResult(ok=False, status=response.status_code)
+            if chunk["choices"] and first_chunk_at is None:
+                first_chunk_at = time.perf_counter()
+            if chunk.get("usage"):
+                completion_tokens = chunk["usage"]["completion_tokens"]
+    ended = time.perf_counter()
+    if first_chunk_at is None:
+        return RequestResult(ok=False, status=response.status_code)
+    return RequestResult(True, 200, first_chunk_at - started, ended - started, completion_tokens)
+
+
+async def run_level(client: httpx.AsyncClient, base_body: dict, concurrency: int, num_requests: int, prompt_len: int):
+    """Keep `concurrency` requests in flight until `num_requests` finished; summarise them."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(num_requests):
+        queue.put_nowait(index)
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        while not queue.empty():
+            index = queue.get_nowait()
+            body = {**base_body, "prompt": prompt_ids(prompt_len, index)}
+            try:
+                results.append(await one_request(client, body))
+            except httpx.HTTPError:
+                results.append(RequestResult(ok=False, status=0))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return summarise(concurrency, results, time.perf_counter() - started)
+
+
+def summarise(concurrency: int, results: list[RequestResult], seconds: float) -> LevelResult:
+    done = [r for r in results if r.ok]
+    ttft_ms = [r.ttft_s * 1e3 for r in done]
+    per_token_ms = [(r.total_s - r.ttft_s) / (r.completion_tokens - 1) * 1e3 for r in done if r.completion_tokens > 1]
+    return LevelResult(
+        concurrency=concurrency,
+        requests=len(results),
+        failed=len(results) - len(done),
+        seconds=seconds,
+        requests_per_s=len(done) / seconds,
+        generated_tokens_per_s=sum(r.completion_tokens for r in done) / seconds,
+        ttft_p50_ms=percentile(ttft_ms, 50),
+        ttft_p99_ms=percentile(ttft_ms, 99),
+        per_token_p50_ms=percentile(per_token_ms, 50),
+        per_token_p99_ms=percentile(per_token_ms, 99),
+    )
+
+
+def as_markdown(levels: list[LevelResult]) -> str:
+    lines = [
+        "| concurrency | requests (failed) | requests/s | generated tokens/s | TTFT p50 / p99 ms | per token p50 / p99 ms |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for level in levels:
+        lines.append(
+            f"| {level.concurrency} | {level.requests} ({level.failed}) | {level.requests_per_s:.2f} "
+            f"| {level.generated_tokens_per_s:.0f} | {level.ttft_p50_ms:.1f} / {level.ttft_p99_ms:.1f} "
+            f"| {level.per_token_p50_ms:.2f} / {level.per_token_p99_ms:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+async def sweep(args: argparse.Namespace) -> tuple[str, list[LevelResult]]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 4, max_keepalive_connections=max(args.concurrency))
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout_s, limits=limits) as client:
+        models = await client.get("/v1/models")
+        models.raise_for_status()
+        model = models.json()["data"][0]["id"]
+        base_body = {
+            "model": model,
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        await run_level(client, base_body, 1, 2, args.prompt_tokens)  # warm the connection and the replica
+        levels = []
+        for concurrency in args.concurrency:
+            num_requests = args.requests or max(8, 4 * concurrency)
+            levels.append(await run_level(client, base_body, concurrency, num_requests, args.prompt_tokens))
+            print(as_markdown(levels[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    return model, levels
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--requests", type=int, default=None, help="per level; default max(8, 4 x concurrency)")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--api-key", default=os.environ.get("GPT2_API_KEY"), help="default: $GPT2_API_KEY")
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+    model, levels = asyncio.run(sweep(args))
+    print(f"{model} at {args.url}: {args.prompt_tokens} prompt + {args.max_tokens} generated tokens per request")
+    print(as_markdown(levels))
+    if args.json_out:
+        config = {k: v for k, v in vars(args).items() if k not in ("api_key", "json_out")}
+        report = {"model": model, "config": config, "levels": [asdict(level) for level in levels]}
+        args.json_out.write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

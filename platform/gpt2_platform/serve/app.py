@@ -1,0 +1,401 @@
+"""The Serve application: a FastAPI ingress on one deployment that owns the engine.
+
+    serve run deployments/gpt2.yaml
+
+Routes: POST /v1/completions (OpenAI, with SSE streaming), GET /v1/models,
+POST /generate (the seed project's simple endpoint), GET /health and
+GET /v1/engine/stats (the engine's own counters: how it actually batched).
+"""
+
+# No `from __future__ import annotations` here: Serve converts a builder's args
+# to its pydantic model only when the annotation is the class itself, not a string.
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve import Application
+
+from gpt2_platform import checkpoint
+from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams
+from gpt2_platform.engine.sampling import SamplingParams
+from gpt2_platform.serve import errors, schemas
+from gpt2_platform.serve.errors import APIError, bad_request
+from gpt2_platform.serve.metrics import ServeMetrics
+from gpt2_platform.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+app = FastAPI(title="gpt2-platform", docs_url=None, redoc_url=None)
+errors.install_handlers(app)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One sequence to generate: a prompt and how to continue it."""
+
+    prompt: list[int]
+    params: GenerationParams
+
+
+class _Choices:
+    """The sequences of one request, submitted to the engine together, their events merged as they come.
+
+    Submitting here, synchronously, right after the admission check (rather than
+    when a stream is first iterated) keeps the check and the engine's queue in
+    step: no other request can slip in between on this event loop.
+    """
+
+    def __init__(self, engine: Engine, jobs: list[_Job], metrics: ServeMetrics) -> None:
+        loop = asyncio.get_running_loop()
+        self.engine, self.metrics = engine, metrics
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.started_at = time.perf_counter()
+        self.first_token_at: dict[int, float] = {}
+        self.request_ids: list[int] = []
+        self.unfinished = set(range(len(jobs)))
+        try:
+            for index, job in enumerate(jobs):
+                on_event = self._deliver_to(loop, index)
+                self.request_ids.append(engine.submit(job.prompt, job.params, on_event))
+        except BaseException:
+            self.cancel()
+            raise
+
+    def _deliver_to(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable[[Event], None]:
+        # Called on the engine thread: hand the event over to this request's event loop.
+        return lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """(choice index, event) until every sequence finished; closing early cancels the rest."""
+        try:
+            while self.unfinished:
+                index, event = await self.queue.get()
+                self._record(index, event)
+                yield index, event
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Free the slots of unfinished sequences (a client went away, or one sequence failed)."""
+        for index in self.unfinished:
+            if index < len(self.request_ids):
+                self.engine.cancel(self.request_ids[index])
+
+    def _record(self, index: int, event: Event) -> None:
+        now = time.perf_counter()
+        if not self.first_token_at:
+            self.metrics.record_first_token(now - self.started_at)
+        first = self.first_token_at.setdefault(index, now)
+        if event.finished:
+            self.unfinished.discard(index)
+            self.metrics.record_sequence(event.prompt_tokens, event.completion_tokens, now - first)
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def _engine_failed(event: Event) -> APIError:
+    return APIError(503, f"generation failed: {event.error}; retry the request", errors.SERVER_ERROR)
+
+
+def _local_path(name: str, field: str) -> str:
+    """An existing directory as an absolute path (replicas may start elsewhere); a hub name or 'byte' as given."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ValueError(
+            f"{field} directory {name!r} does not exist; `make demo` exports runs/demo-tiny/model, "
+            f"or set args.{field} to a Hugging Face model directory or hub name"
+        )
+    return name
+
+
+@serve.deployment(health_check_period_s=10, health_check_timeout_s=30)
+@serve.ingress(app)
+class GPT2Server:
+    """One replica: the model, its engine and the HTTP routes.
+
+    No @serve.batch: the engine batches continuously on its own thread. A request
+    joins the running batch at the next decode step and leaves at the step it
+    finishes; @serve.batch would instead gather requests into a batch and run it
+    to the end, so a short request would wait for the longest one in its batch.
+    """
+
+    def __init__(self, args: schemas.AppArgs) -> None:
+        self.args, self.limits, self.model_name = args, args.limits, args.model_name
+        self.api_key = errors.read_api_key(args.api_key_env)
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        config = EngineConfig(
+            max_batch_size=args.max_batch_size,
+            max_seq_len=args.max_seq_len,
+            dtype=args.dtype,
+            cuda_graphs=args.cuda_graphs,
+            max_prefill_tokens=args.max_prefill_tokens,
+        )
+        # start() warms every batch and span shape (and captures the CUDA graphs) before this
+        # constructor returns, so the replica reports healthy only once it serves at full speed.
+        self.engine = Engine(checkpoint.load_pretrained(args.model), self.tokenizer, config).start()
+        self.metrics = ServeMetrics(self.model_name)
+        self.metrics.start_sampling(self.engine.stats)
+        self.created = schemas.now_s()
+        logger.info("serving %s from %s (%s)", self.model_name, args.model, config)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Live limits: the deployment's `user_config`, key by key over the builder's `limits`."""
+        try:
+            self.limits = schemas.ServeLimits.model_validate({**self.args.limits.model_dump(), **user_config})
+        except ValidationError as error:
+            raise ValueError(f"invalid user_config for {type(self).__name__}: {error}") from None
+        logger.info("limits: %s", self.limits)
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; an engine whose loop died makes Serve replace the replica."""
+        self.engine.check_health()
+
+    def __del__(self) -> None:
+        if hasattr(self, "metrics"):
+            self.metrics.stop()
+        if hasattr(self, "engine"):
+            self.engine.shutdown()
+
+    # ---- routes --------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._respond("completions", request, self._completions)
+
+    @app.post("/generate")
+    async def generate(self, request: Request) -> Response:
+        return await self._respond("generate", request, self._generate)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        return await self._respond("models", request, self._models)
+
+    @app.get("/v1/engine/stats")
+    async def engine_stats(self, request: Request) -> Response:
+        return await self._respond("engine_stats", request, self._engine_stats)
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            self.engine.check_health()
+        except EngineDeadError as error:
+            return APIError(503, str(error), errors.SERVER_ERROR).response()
+        return JSONResponse({"status": "ok", "model": self.model_name})
+
+    # ---- request handling ----------------------------------------------------------------------
+    async def _respond(
+        self, route: str, request: Request, handler: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        """Authenticate, run the handler, turn errors into OpenAI-style bodies, count the status."""
+        try:
+            errors.authorize(request.headers.get("authorization"), self.api_key)
+            response = await handler(request)
+        except APIError as error:
+            response = error.response()
+        except EngineDeadError as error:
+            response = APIError(503, f"{error}; this replica is being replaced", errors.SERVER_ERROR).response()
+        except asyncio.CancelledError:
+            self.metrics.record_request(route, 499)  # the client went away
+            raise
+        except Exception:
+            self.metrics.record_request(route, 500)
+            raise
+        self.metrics.record_request(route, response.status_code)
+        return response
+
+    async def _completions(self, request: Request) -> Response:
+        body = await schemas.read_json(request, schemas.CompletionRequest, self.limits.max_body_bytes)
+        body.check(self.limits, self.model_name)
+        prompts = [self._encode(p, "prompt") if isinstance(p, str) else p for p in body.prompt_list()]
+        jobs = [_Job(prompt, self._completion_params(body, i)) for prompt in prompts for i in range(body.n)]
+        for job in jobs:
+            self._validate(job, length_param="max_tokens")
+        choices = self._admit(jobs)
+        request_id, created = f"cmpl-{uuid.uuid4().hex}", schemas.now_s()
+        prompt_tokens = sum(len(prompt) for prompt in prompts)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._stream(choices, request_id, created, prompt_tokens if include_usage else None)
+            return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        outputs, completion_tokens = await self._collect(choices, len(jobs))
+        usage = schemas.usage(prompt_tokens, completion_tokens)
+        return JSONResponse(schemas.completion(request_id, created, self.model_name, outputs, usage))
+
+    async def _generate(self, request: Request) -> Response:
+        started_at = time.perf_counter()
+        body = await schemas.read_json(request, schemas.GenerateRequest, self.limits.max_body_bytes)
+        prompt = self._encode(body.prompt, "prompt")
+        max_tokens = body.max_length - len(prompt)
+        if max_tokens < 1:
+            raise bad_request(
+                f"max_length ({body.max_length}) counts the prompt too and must exceed its {len(prompt)} tokens",
+                "max_length",
+            )
+        if max_tokens > self.limits.max_tokens_cap:
+            raise bad_request(
+                f"max_length allows {max_tokens} new tokens, over {self.limits.max_tokens_cap}", "max_length"
+            )
+        job = _Job(prompt, GenerationParams(max_tokens, sampling=self._sampling(temperature=body.temperature)))
+        self._validate(job, length_param="max_length")
+        outputs, _ = await self._collect(self._admit([job]), 1)
+        text = body.prompt + outputs[0]["text"]
+        return JSONResponse({"generated_text": text, "inference_time": time.perf_counter() - started_at})
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse(schemas.model_list(self.model_name, self.created, self.engine.max_seq_len))
+
+    async def _engine_stats(self, request: Request) -> Response:
+        context = serve.get_replica_context()
+        replica = context.replica_id.unique_id if context is not None else None
+        return JSONResponse({**self.engine.stats(), "max_batch_size": self.args.max_batch_size, "replica": replica})
+
+    # ---- turning a request into engine work ----------------------------------------------------
+    def _encode(self, text: str, param: str) -> list[int]:
+        if not text:
+            raise bad_request(f"{param} is empty; send at least one character", param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800") is valid JSON but not text
+            raise bad_request(f"{param} is not valid Unicode text (it holds a lone surrogate)", param) from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _completion_params(self, body: schemas.CompletionRequest, choice_index: int) -> GenerationParams:
+        # Choice i of a seeded request uses seed + i: distinct choices, reproducible as a whole.
+        seed = None if body.seed is None else body.seed + choice_index
+        if seed is not None and seed > schemas.MAX_INT64:
+            raise bad_request(f"seed + n - 1 must stay below 2**63, got seed={body.seed}, n={body.n}", "seed")
+        return GenerationParams(
+            max_tokens=body.max_tokens or self.limits.default_max_tokens,
+            stop=tuple(body.stop_strings()),
+            ignore_eos=body.ignore_eos,
+            sampling=self._sampling(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed),
+        )
+
+    @staticmethod
+    def _sampling(**values: Any) -> SamplingParams:
+        try:
+            return SamplingParams(**values)
+        except ValueError as error:  # the engine's message starts with the field it refused
+            message = str(error)
+            raise bad_request(message, next((f for f in _SAMPLING_FIELDS if message.startswith(f)), None)) from None
+
+    def _validate(self, job: _Job, length_param: str) -> None:
+        """400 for what the engine cannot run; the common cases get OpenAI's param and code."""
+        if not job.prompt:
+            raise bad_request("prompt is empty; send at least one token", "prompt")
+        total, context = len(job.prompt) + job.params.max_tokens, self.engine.max_seq_len
+        if total > context:
+            raise bad_request(
+                f"this model's context is {context} tokens, but the request needs {total} "
+                f"({len(job.prompt)} in the prompt, {job.params.max_tokens} to generate); "
+                f"shorten the prompt or lower {length_param}",
+                length_param,
+                "context_length_exceeded",
+            )
+        try:
+            self.engine.validate(job.prompt, job.params)
+        except ValueError as error:
+            raise bad_request(str(error), "prompt" if "prompt" in str(error) else None) from None
+
+    def _admit(self, jobs: list[_Job]) -> _Choices:
+        """Submit the jobs, or refuse with 429 when the engine's waiting line is full.
+
+        The bound is ours (max_batch_size running plus `max_waiting` waiting), so an
+        overloaded replica answers at once instead of growing an unbounded queue.
+        A request larger than the whole bound still runs when the engine is idle.
+        """
+        stats = self.engine.stats()
+        in_engine = stats["running"] + stats["waiting"]
+        capacity = self.args.max_batch_size + self.limits.max_waiting
+        if in_engine and in_engine + len(jobs) > capacity:
+            retry_after = self.limits.retry_after_s
+            raise APIError(
+                429,
+                f"the server is busy ({stats['running']} sequences running, {stats['waiting']} waiting); "
+                f"retry in {retry_after} s",
+                errors.RATE_LIMIT,
+                code="overloaded",
+                headers={"Retry-After": str(retry_after)},
+            )
+        return _Choices(self.engine, jobs, self.metrics)
+
+    async def _collect(self, choices: _Choices, num_choices: int) -> tuple[list[dict[str, Any]], int]:
+        """Every choice's full text and finish reason, and the completion tokens of all of them."""
+        texts: list[list[str]] = [[] for _ in range(num_choices)]
+        reasons: list[str | None] = [None] * num_choices
+        completion_tokens = 0
+        async with contextlib.aclosing(choices.events()) as events:
+            async for index, event in events:
+                if event.finish_reason == "error":
+                    raise _engine_failed(event)
+                texts[index].append(event.text)
+                if event.finished:
+                    reasons[index] = event.finish_reason
+                    completion_tokens += event.completion_tokens
+        outputs = [schemas.choice(i, "".join(texts[i]), reasons[i]) for i in range(num_choices)]
+        return outputs, completion_tokens
+
+    async def _stream(
+        self, choices: _Choices, request_id: str, created: int, prompt_tokens: int | None
+    ) -> AsyncIterator[str]:
+        """SSE chunks, one per text delta or finish, then the usage (if asked for) and [DONE].
+
+        A client that disconnects makes Serve cancel this generator; closing
+        `choices.events()` then cancels the sequences, freeing their slots at the next step.
+        """
+        completion_tokens = 0
+        async with contextlib.aclosing(choices.events()) as events:
+            async for index, event in events:
+                if event.finish_reason == "error":
+                    yield _sse(_engine_failed(event).body())
+                    break
+                if event.finished:
+                    completion_tokens += event.completion_tokens
+                if event.text or event.finished:
+                    output = schemas.choice(index, event.text, event.finish_reason)
+                    yield _sse(schemas.completion(request_id, created, self.model_name, [output], None))
+        if prompt_tokens is not None:
+            usage = schemas.usage(prompt_tokens, completion_tokens)
+            yield _sse(schemas.completion(request_id, created, self.model_name, [], usage))
+        yield _sse("[DONE]")
+
+
+def default_max_ongoing_requests(args: schemas.AppArgs) -> int:
+    """Enough that Serve never holds back what the engine could batch, nor the requests we refuse with 429."""
+    return max(32, 2 * (args.max_batch_size + args.limits.max_waiting))
+
+
+def gpt2_deployment(args: schemas.AppArgs | dict[str, Any], **options: Any) -> Application:
+    """The application with Serve deployment options given from Python (what the YAML's `deployments:` sets)."""
+    if not isinstance(args, schemas.AppArgs):
+        args = schemas.AppArgs.model_validate(args)
+    tokenizer = None if args.tokenizer is None else _local_path(args.tokenizer, "tokenizer")
+    # The served name defaults to the model as the user wrote it, not to the resolved path.
+    update = {"model": _local_path(args.model, "model"), "tokenizer": tokenizer, "served_model_name": args.model_name}
+    args = args.model_copy(update=update)
+    options.setdefault("max_ongoing_requests", default_max_ongoing_requests(args))
+    options.setdefault("user_config", args.limits.model_dump())
+    return GPT2Server.options(**options).bind(args)
+
+
+def build_app(args: schemas.AppArgs) -> Application:
+    """The app builder `deployments/gpt2.yaml` names: Serve validates `args:` against AppArgs first."""
+    return gpt2_deployment(args)

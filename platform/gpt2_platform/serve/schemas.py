@@ -1,0 +1,243 @@
+"""What crosses the Serve boundary, as pydantic models: the app builder's args, live limits, and HTTP bodies.
+
+Requests are validated strictly (no "5" for 5, no true for 1) and refuse
+unknown fields, so a client learns about a typo or an unsupported OpenAI option
+from a 400 instead of a silently different result.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpt2_platform.serve import errors
+from gpt2_platform.serve.errors import APIError, bad_request
+
+# OpenAI's own range for temperature; the engine would take up to 100.
+MAX_TEMPERATURE = 2.0
+# The engine keeps seeds and top_k in int64 tensors.
+MAX_INT64 = 2**63 - 1
+Schema = TypeVar("Schema", bound=BaseModel)
+
+
+class ServeLimits(BaseModel):
+    """Per-replica limits, changeable live: Serve passes `user_config` to `reconfigure` without a restart."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(1_000_000, ge=1)
+    """Largest request body accepted (413 above it), checked from Content-Length and while reading."""
+    max_prompts: int = Field(32, ge=1)
+    """Prompts in one /v1/completions request."""
+    max_n: int = Field(8, ge=1)
+    """Choices per prompt (`n`)."""
+    max_stop: int = Field(4, ge=0)
+    """Stop strings in one request (OpenAI allows 4)."""
+    max_tokens_cap: int = Field(1024, ge=1)
+    """Largest `max_tokens` a request may ask for."""
+    default_max_tokens: int = Field(16, ge=1)
+    """`max_tokens` when a request leaves it out (OpenAI's default is 16)."""
+    max_waiting: int = Field(64, ge=0)
+    """Sequences that may wait for a free engine slot; past max_batch_size + this, requests get 429."""
+    retry_after_s: int = Field(1, ge=1)
+    """The Retry-After header of a 429."""
+
+
+class AppArgs(BaseModel):
+    """The app builder's arguments (`args:` in deployments/gpt2.yaml); changing one restarts the replicas."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "runs/demo-tiny/model"
+    """A Hugging Face model directory (e.g. what `make demo` exports) or a hub name (openai-community/gpt2)."""
+    tokenizer: str | None = None
+    """Tokenizer directory, hub name or 'byte'; None: the model's own (exported model dirs hold one)."""
+    served_model_name: str | None = None
+    """The name clients send as `model` and /v1/models lists; None: `model` as given."""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Weights and KV cache dtype; auto = bf16 on a GPU that has it, else fp32."""
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs (GPU only; ignored on CPU)."""
+    max_batch_size: int = Field(32, ge=1)
+    """Sequences decoded together per replica (KV cache slots)."""
+    max_seq_len: int | None = Field(None, ge=2)
+    """Prompt plus generated tokens per sequence; None: the model's context."""
+    max_prefill_tokens: int = Field(4096, ge=1)
+    """Prompt tokens admitted per engine iteration."""
+    api_key_env: str | None = None
+    """Name of an environment variable holding the API key; None: no authentication."""
+    limits: ServeLimits = Field(default_factory=ServeLimits)
+    """Initial limits; a deployment's `user_config` overrides them live, key by key."""
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False
+    """Send a last chunk with the usage counts and no choices."""
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions, as OpenAI defines it, plus top_k and ignore_eos."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=MAX_INT64)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_INT64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+    # OpenAI options this server does not implement: accepted only at their no-op values.
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for the first option asked for that this server cannot honour."""
+        if self.logprobs is not None:
+            return "logprobs", "logprobs is not supported by this server; leave it out"
+        if self.echo:
+            return "echo", "echo is not supported by this server; leave it out or set it to false"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", f"best_of other than n is not supported (got best_of={self.best_of}, n={self.n})"
+        if self.suffix is not None:
+            return "suffix", "suffix (insertion) is not supported by this server"
+        if self.presence_penalty != 0.0 or self.frequency_penalty != 0.0:
+            param = "presence_penalty" if self.presence_penalty != 0.0 else "frequency_penalty"
+            return param, f"{param} is not supported by this server; leave it out or set it to 0"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported by this server"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
+    def check(self, limits: ServeLimits, served_model: str) -> None:
+        """Raise the OpenAI-style error for an unsupported option, another model, or a limit exceeded."""
+        unsupported = self.unsupported()
+        if unsupported is not None:
+            raise bad_request(unsupported[1], unsupported[0], "unsupported_option")
+        if self.model is not None and self.model != served_model:
+            message = f"model {self.model!r} is not served here; this server serves {served_model!r}"
+            raise APIError(404, message, param="model", code="model_not_found")
+        num_prompts = len(self.prompt_list())
+        if num_prompts == 0:
+            raise bad_request("prompt is empty; send a string or a list of strings", "prompt")
+        if num_prompts > limits.max_prompts:
+            raise bad_request(f"{num_prompts} prompts, over this server's limit of {limits.max_prompts}", "prompt")
+        if self.n > limits.max_n:
+            raise bad_request(f"n is {self.n}, over this server's limit of {limits.max_n}", "n")
+        stops = self.stop_strings()
+        if len(stops) > limits.max_stop:
+            raise bad_request(f"{len(stops)} stop strings, over this server's limit of {limits.max_stop}", "stop")
+        if any(not stop for stop in stops):
+            raise bad_request("stop strings must not be empty", "stop")
+        if self.max_tokens is not None and self.max_tokens > limits.max_tokens_cap:
+            message = f"max_tokens is {self.max_tokens}, over this server's limit of {limits.max_tokens_cap}"
+            raise bad_request(message, "max_tokens")
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and all(isinstance(item, int) for item in self.prompt)):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class GenerateRequest(BaseModel):
+    """POST /generate: the seed project's simple endpoint, kept for its clients."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str
+    max_length: int = Field(50, ge=1)
+    """Prompt plus generated tokens, as in transformers' `generate(max_length=...)`."""
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
+    """0 is greedy."""
+
+
+def _refuse_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, schema: type[Schema], max_body_bytes: int) -> Schema:
+    """The body, parsed and validated: 413 over `max_body_bytes` (declared or read), 400 for anything malformed."""
+    too_large = APIError(413, f"request body is over the limit of {max_body_bytes} bytes", code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and not declared.isdigit():
+        raise bad_request("invalid Content-Length header")
+    if declared is not None and int(declared) > max_body_bytes:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_body_bytes:
+            raise too_large
+    try:
+        data = json.loads(body, parse_constant=_refuse_json_constant)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise bad_request(f"the request body is not valid JSON: {error}", code="invalid_json") from None
+    try:
+        return schema.model_validate(data)
+    except ValidationError as error:
+        raise errors.from_validation_error(error) from None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def completion(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, int] | None
+) -> dict[str, Any]:
+    """A /v1/completions response body, or one streamed chunk of it."""
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def model_list(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    card = {"id": model, "object": "model", "created": created, "owned_by": "gpt2-platform"}
+    return {"object": "list", "data": [{**card, "max_model_len": max_model_len}]}
+
+
+def now_s() -> int:
+    return int(time.time())

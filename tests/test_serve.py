@@ -1,0 +1,489 @@
+"""Serving end to end on CPU: a tiny model behind real Ray Serve, over real HTTP.
+
+One app serves most tests (replica start costs seconds); the overload test
+changes its limits live through `user_config`, the kill test replaces its
+replica, and the autoscaling test deploys a second app of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import random
+import re
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import yaml
+
+from gpt2_platform import checkpoint, demo_data
+from gpt2_platform.config import OptimConfig
+from gpt2_platform.model import GPT2, preset
+from gpt2_platform.tokenizer import byte_tokenizer
+from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision
+
+REPO = Path(__file__).resolve().parent.parent
+API_KEY = "test-key-7a1c"
+API_KEY_ENV = "GPT2_SERVE_TEST_API_KEY"
+APP = "gpt2-test"
+MODEL_NAME = "tiny-test"
+LIMITS = {
+    "max_body_bytes": 20_000,
+    "max_prompts": 4,
+    "max_n": 4,
+    "max_stop": 2,
+    "max_tokens_cap": 250,
+    "default_max_tokens": 16,
+    "max_waiting": 8,
+}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+# ---- fixtures -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-2 trained for a few seconds on the demo stories (so it writes ASCII), with its tokenizer."""
+    torch.manual_seed(0)
+    model = GPT2(preset("tiny"))
+    device = torch.device("cpu")
+    optimizer = build_optimizer(model, OptimConfig(lr=5e-3), device)
+    step = TrainStep(model, optimizer, resolve_precision("fp32", device), device, 1.0)
+    text = " ".join(demo_data.stories(400)).encode()
+    tokens = torch.tensor(list(text[: 64 * 65 * 4]), dtype=torch.long).view(-1, 65)
+    for i in range(60):
+        batch = tokens[(i * 16) % len(tokens) :][:16]
+        step([(batch[:, :-1], batch[:, 1:])], lr=5e-3)
+    directory = tmp_path_factory.mktemp("serve") / "model"
+    return checkpoint.save_pretrained(model.eval(), directory, extra=lambda d: byte_tokenizer().save_pretrained(d))
+
+
+def _free_port() -> int:
+    # Below the OS's ephemeral range, where the ports Ray's own processes get are taken from.
+    for _ in range(100):
+        port = random.randint(20000, 30000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port")
+
+
+def _main_args(model_dir: Path) -> dict:
+    return {
+        "model": str(model_dir),
+        "served_model_name": MODEL_NAME,
+        "dtype": "fp32",
+        "max_batch_size": 4,
+        "api_key_env": API_KEY_ENV,
+        "limits": LIMITS,
+    }
+
+
+def _deploy_main(model_dir: Path, **options) -> None:
+    from ray import serve
+
+    from gpt2_platform.serve.app import gpt2_deployment
+
+    # The key reaches the replica through its environment, as a deployment's runtime_env would set it.
+    options.setdefault("ray_actor_options", {"num_cpus": 1, "runtime_env": {"env_vars": {API_KEY_ENV: API_KEY}}})
+    serve.run(gpt2_deployment(_main_args(model_dir), **options), name=APP, route_prefix="/")
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_cluster, model_dir: Path) -> Iterator[str]:
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        _deploy_main(model_dir)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture
+def client(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+def complete(client: httpx.Client, **body) -> dict:
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of an SSE response: dicts, and the final '[DONE]'."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def engine_stats(client: httpx.Client) -> dict:
+    response = client.get("/v1/engine/stats")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    return predicate()
+
+
+# ---- the config file ------------------------------------------------------------------------------
+def test_the_yaml_is_a_valid_serve_config_whose_args_validate():
+    from ray.serve.schema import ServeDeploySchema
+
+    from gpt2_platform.serve import app as app_module
+    from gpt2_platform.serve.schemas import AppArgs
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "deployments" / "gpt2.yaml").read_text()))
+    assert config.http_options.host == "127.0.0.1"
+    (application,) = config.applications
+    module, _, attribute = application.import_path.partition(":")
+    assert getattr(importlib.import_module(module), attribute) is app_module.build_app
+    args = AppArgs.model_validate(application.args)
+    (deployment,) = application.deployments
+    assert deployment.name == app_module.GPT2Server.name
+    assert deployment.max_ongoing_requests >= 2 * args.max_batch_size
+    assert deployment.max_ongoing_requests >= args.max_batch_size + args.limits.max_waiting
+    assert deployment.autoscaling_config["min_replicas"] >= 1
+    assert deployment.ray_actor_options.num_gpus == 0  # the local config runs on CPU
+
+
+def test_the_builder_refuses_a_missing_model_directory_and_typos_in_args(tmp_path):
+    from pydantic import ValidationError
+
+    from gpt2_platform.serve.app import build_app
+    from gpt2_platform.serve.schemas import AppArgs
+
+    with pytest.raises(ValueError, match="make demo"):
+        build_app(AppArgs(model=str(tmp_path / "missing" / "model")))
+    with pytest.raises(ValidationError, match="max_batch_sise"):
+        AppArgs.model_validate({"model": "x", "max_batch_sise": 4})
+
+
+def test_metric_names_are_ones_prometheus_keeps(ray_cluster):
+    from gpt2_platform.serve.metrics import ServeMetrics
+
+    metrics = ServeMetrics("m")
+    names = [value._name for value in vars(metrics).values() if hasattr(value, "_name")]
+    assert "gpt2_serve_time_to_first_token_s" in names and len(names) >= 8
+    assert all(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", name) for name in names), names
+
+
+# ---- what clients get -----------------------------------------------------------------------------
+def test_health_and_models(client, base_url):
+    assert httpx.get(f"{base_url}/health").json()["status"] == "ok"  # no key needed
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == MODEL_NAME and models["data"][0]["max_model_len"] == 256
+
+
+def test_a_completion_has_openai_fields_and_usage(client):
+    prompt = "alice has 3 apples."
+    body = complete(client, model=MODEL_NAME, prompt=prompt, max_tokens=10, temperature=0, ignore_eos=True)
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == MODEL_NAME
+    assert abs(body["created"] - time.time()) < 60
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert choice["text"].isascii() and len(choice["text"]) == 10  # one byte per token
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 10, "total_tokens": len(prompt) + 10}
+
+
+def test_list_prompts_token_prompts_and_n_choices_with_derived_seeds(client):
+    prompts = ["alice has", "bob gives carol"]
+    body = complete(client, prompt=prompts, n=2, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert choices[0]["text"] != choices[1]["text"], "choices of one prompt use seeds 5 and 6"
+    assert body["usage"]["prompt_tokens"] == sum(map(len, prompts)) and body["usage"]["completion_tokens"] == 48
+    again = complete(client, prompt=prompts, n=2, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in choices], "a seeded request reproduces"
+    # The same prompt as token ids (the byte tokenizer: one id per byte) gives the same text.
+    by_ids = complete(client, prompt=list(b"alice has"), max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    assert by_ids["choices"][0]["text"] == choices[0]["text"]
+
+
+def test_streaming_sends_chunks_then_done_and_the_same_text_as_without(client):
+    request = {"prompt": "carol has 4 pens.", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    expected = complete(client, **request)["choices"][0]["text"]
+    stream_options = {"include_usage": True}
+    with client.stream(
+        "POST", "/v1/completions", json={**request, "stream": True, "stream_options": stream_options}
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert len(chunks) > 1 and all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"]["completion_tokens"] == 24
+
+
+def test_generate_returns_the_prompt_and_its_continuation(client):
+    response = client.post("/generate", json={"prompt": "alice has", "max_length": 20, "temperature": 0})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["generated_text"].startswith("alice has") and len(body["generated_text"].encode()) <= 20
+    assert 0 < body["inference_time"] < 30
+
+
+def test_concurrent_requests_are_decoded_in_shared_batches(client, base_url):
+    before = engine_stats(client)["batch_sizes"]
+
+    async def fire() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base_url, headers=AUTH, timeout=60) as session:
+            requests = [
+                session.post("/v1/completions", json={"prompt": f"request {i}", "max_tokens": 40, "ignore_eos": True})
+                for i in range(8)
+            ]
+            return await asyncio.gather(*requests)
+
+    responses = asyncio.run(fire())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    stats = engine_stats(client)
+    assert stats["max_batch_size_seen"] > 1
+    shared = {size: count - before.get(size, 0) for size, count in stats["batch_sizes"].items() if int(size) > 1}
+    assert sum(shared.values()) > 0, f"no decode step ran more than one sequence: {stats['batch_sizes']}"
+
+
+# ---- bad input: OpenAI-style 4xx, never a 5xx --------------------------------------------------------
+BAD_COMPLETIONS = [
+    ({"prompt": "x" * 250, "max_tokens": 100}, 400, "max_tokens"),  # over the 256-token context
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": ["ok", ""]}, 400, "prompt"),
+    ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "x", "temperature": 2.5}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "top_k": -1}, 400, "top_k"),
+    ({"prompt": "x", "top_k": 2**70}, 400, "top_k"),  # would overflow the engine's int64 tensors
+    ({"prompt": "a\ud800b"}, 400, "prompt"),  # a lone surrogate: valid JSON, not text
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 5}, 400, "n"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 251}, 400, "max_tokens"),
+    ({"prompt": "x", "seed": -1}, 400, "seed"),
+    ({"prompt": ["a", "b", "c", "d", "e"]}, 400, "prompt"),
+    ({"prompt": "x", "stop": ["a", "b", "c"]}, 400, "stop"),
+    ({"prompt": "x", "stop": ""}, 400, "stop"),
+    ({"prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "n": True}, 400, "n"),
+    ({"prompt": [1, 99999]}, 400, "prompt"),  # a token id outside the vocabulary
+    ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ({}, 400, "prompt"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+]
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+    return error
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_COMPLETIONS)
+def test_bad_completion_requests_get_openai_errors(client, body, status, param):
+    # json.dumps escapes non-ASCII (httpx's json= would fail to encode a lone surrogate).
+    content = json.dumps(body).encode()
+    response = client.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    error = assert_openai_error(response, status, param)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "alice has", "max_length": 5}, "max_length"),  # shorter than the prompt
+        ({"prompt": "x", "max_length": 400}, "max_length"),  # over the context
+        ({"prompt": "x", "temperature": "warm"}, "temperature"),
+        ({"max_length": 5}, "prompt"),
+    ],
+)
+def test_bad_generate_requests_get_openai_errors(client, body, param):
+    assert_openai_error(client.post("/generate", json=body), 400, param)
+
+
+def test_malformed_and_oversized_bodies(client):
+    headers = {"Content-Type": "application/json"}
+    error = assert_openai_error(client.post("/v1/completions", content=b'{"prompt": "x",', headers=headers), 400, None)
+    assert error["code"] == "invalid_json"
+    assert_openai_error(client.post("/v1/completions", content=b'{"prompt": NaN}', headers=headers), 400, None)
+    assert_openai_error(client.post("/v1/completions", content=b"[1, 2]", headers=headers), 400, None)
+    # Declared too large: refused from Content-Length alone.
+    big = json.dumps({"prompt": "x" * 30_000}).encode()
+    assert_openai_error(client.post("/v1/completions", content=big, headers=headers), 413, None)
+
+    # No Content-Length (chunked): refused while reading.
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(30):
+            yield b"x" * 1000
+        yield b'"}'
+
+    assert_openai_error(client.post("/v1/completions", content=chunks(), headers=headers), 413, None)
+    assert_openai_error(client.get("/v1/nowhere"), 404, None)
+    assert complete(client, prompt="still serving", max_tokens=2)["choices"]
+
+
+def test_the_api_key_is_required_except_for_health(base_url):
+    request = {"prompt": "x", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"}):
+        response = httpx.post(f"{base_url}/v1/completions", json=request, headers=headers)
+        error = assert_openai_error(response, 401, None)
+        assert error["type"] == "authentication_error" and response.headers["WWW-Authenticate"] == "Bearer"
+    assert httpx.get(f"{base_url}/v1/models").status_code == 401
+    assert httpx.post(f"{base_url}/v1/completions", json=request, headers=AUTH).status_code == 200
+    assert httpx.get(f"{base_url}/health").status_code == 200
+
+
+# ---- overload, disconnects, failures, scaling ----------------------------------------------------------
+def _wait_for_idle_engine(client: httpx.Client) -> dict:
+    return wait_until(lambda: (s := engine_stats(client))["running"] == 0 and s["waiting"] == 0 and s, timeout_s=10)
+
+
+def test_a_client_that_disconnects_frees_its_slot(client, base_url):
+    request = {"prompt": "a long story", "max_tokens": 240, "ignore_eos": True}
+    # Streaming: read one chunk, then hang up.
+    before = _wait_for_idle_engine(client)
+    with httpx.Client(base_url=base_url, headers=AUTH, timeout=60) as other:
+        with other.stream("POST", "/v1/completions", json={**request, "stream": True}) as response:
+            next(response.iter_lines())
+    after = _wait_for_idle_engine(client)
+    assert after, "the abandoned stream still holds its slot"
+    assert after["generated_tokens"] - before["generated_tokens"] < 240, "the stream ran to the end"
+    # Not streaming: the client gives up waiting on 16 sequences (4 rounds of the 4 slots).
+    many = {**request, "prompt": ["one", "two", "three", "four"], "n": 4}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/v1/completions", json=many, headers=AUTH, timeout=0.3)
+    final = _wait_for_idle_engine(client)
+    assert final, "the abandoned request still holds its slots"
+    assert final["generated_tokens"] - after["generated_tokens"] < 16 * 240 / 2, "the request ran on"
+
+
+def test_overload_gets_429_with_retry_after_from_limits_given_as_user_config(client, base_url, model_dir):
+    # Serve hands user_config to reconfigure(): no waiting room past the 4 slots. (`serve deploy` of a
+    # changed user_config reconfigures running replicas in place; serve.run from Python replaces them.)
+    # Later tests in this module run with this setting.
+    _deploy_main(model_dir, user_config={"max_waiting": 0})
+
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base_url, headers=AUTH, timeout=60) as session:
+            body = {"prompt": "flood", "max_tokens": 200, "ignore_eos": True}
+            return await asyncio.gather(*(session.post("/v1/completions", json=body) for _ in range(12)))
+
+    responses = asyncio.run(flood())
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) == {200, 429}, statuses
+    assert statuses.count(200) >= 4, "the batch (4 slots) should be full before anyone is refused"
+    refused = next(r for r in responses if r.status_code == 429)
+    assert refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_killed_replica_is_replaced_and_serving_resumes(client):
+    import ray
+
+    (name,) = [
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"].startswith(f"SERVE_REPLICA::{APP}#")
+    ]
+    old_replica = engine_stats(client)["replica"]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+    def served_by_a_new_replica() -> bool:
+        try:
+            stats = client.get("/v1/engine/stats", timeout=5)
+            ok = client.post("/v1/completions", json={"prompt": "back?", "max_tokens": 2}, timeout=5)
+        except httpx.HTTPError:
+            return False
+        return stats.status_code == 200 and stats.json()["replica"] != old_replica and ok.status_code == 200
+
+    assert wait_until(served_by_a_new_replica, timeout_s=90, interval_s=0.5)
+
+
+async def hold_streaming_load(url: str, num_streams: int, stop: asyncio.Event) -> None:
+    """Keep `num_streams` long streaming completions in flight until `stop` is set."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as session:
+
+        async def one_stream() -> None:
+            while not stop.is_set():
+                body = {"prompt": "load", "max_tokens": 200, "ignore_eos": True, "stream": True}
+                async with session.stream("POST", "/v1/completions", json=body) as response:
+                    async for _ in response.aiter_lines():
+                        pass
+
+        await asyncio.gather(*(one_stream() for _ in range(num_streams)))
+
+
+# Short look-back windows are what make this test fast; Serve warns that they are shorter than its metrics interval.
+@pytest.mark.filterwarnings("ignore:`look_back_period_s`:FutureWarning")
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(base_url, model_dir):
+    from ray import serve
+
+    from gpt2_platform.serve.app import gpt2_deployment
+
+    autoscaling = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "target_ongoing_requests": 1,
+        "upscale_delay_s": 0.5,
+        "downscale_delay_s": 2,
+        "look_back_period_s": 2,
+    }
+    args = {"model": str(model_dir), "dtype": "fp32", "max_batch_size": 2, "limits": {"max_waiting": 8}}
+    app = gpt2_deployment(args, autoscaling_config=autoscaling, max_ongoing_requests=8)
+    serve.run(app, name="autoscale", route_prefix="/autoscale")
+
+    def running_replicas() -> int:
+        deployment = serve.status().applications["autoscale"].deployments["GPT2Server"]
+        return deployment.replica_states.get("RUNNING", 0)
+
+    async def scale_up() -> bool:
+        stop = asyncio.Event()
+        load = asyncio.create_task(hold_streaming_load(f"{base_url}/autoscale", 3, stop))
+        deadline = time.monotonic() + 60
+        while running_replicas() < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        stop.set()
+        await load
+        return running_replicas() == 2
+
+    try:
+        assert running_replicas() == 1
+        assert asyncio.run(scale_up()), "no second replica under load"
+        assert wait_until(lambda: running_replicas() == 1, timeout_s=60, interval_s=0.5), "no scale-down"
+    finally:
+        serve.delete("autoscale")
