@@ -1,9 +1,10 @@
-"""The demo: fine-tune the tiny preset with 2 Ray workers on a corpus the project makes itself.
+"""The demo: fine-tune the tiny preset with 2 Ray workers on a corpus the project makes itself, then serve it.
 
     make demo          (or: python jobs/demo.py)
 
-Runs on an embedded local Ray on a laptop CPU in a few minutes, then loads the
-exported model with transformers and completes a prompt with it.
+Runs on an embedded local Ray on a laptop CPU in a few minutes: trains, loads
+the exported model with plain transformers, then serves it with Ray Serve
+(OpenAI-compatible HTTP), sends a few requests (one streamed) and shuts down.
 """
 
 from __future__ import annotations
@@ -80,8 +81,73 @@ def complete(model_dir: Path) -> None:
     print(f"prompt:     {PROMPT!r}\ncompletion: {completion!r}")
 
 
+def serve_and_query(model_dir: Path) -> None:
+    import json as json_lib
+    import socket
+
+    import httpx
+    from ray import serve
+
+    from gpt2_platform.serve.app import build_app
+    from gpt2_platform.serve.schemas import AppArgs
+
+    banner("serving it with Ray Serve (OpenAI-compatible HTTP)")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        start = time.perf_counter()
+        args = AppArgs(model=str(model_dir), served_model_name="demo-tiny", max_batch_size=8, max_seq_len=256)
+        serve.run(build_app(args), name="demo", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        print(f"app ready at {url} in {time.perf_counter() - start:.1f} s (engine warmed before it reported healthy)")
+        with httpx.Client(base_url=url, timeout=60) as client:
+            for prompt in (PROMPT, "ivan has 2 keys. judy gives ivan 5 keys. now"):
+                start = time.perf_counter()
+                body = {"model": "demo-tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+                reply = client.post("/v1/completions", json=body).json()
+                print(
+                    f"POST /v1/completions {prompt!r} -> {reply['choices'][0]['text']!r} "
+                    f"({1000 * (time.perf_counter() - start):.0f} ms, {reply['usage']['completion_tokens']} tokens)"
+                )
+            body = {
+                "model": "demo-tiny",
+                "prompt": "bob has",
+                "max_tokens": 24,
+                "temperature": 0.8,
+                "seed": 1,
+                "stream": True,
+            }
+            print("streamed:  ", end="", flush=True)
+            start = time.perf_counter()
+            first = None
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        first = first or time.perf_counter()
+                        text = json_lib.loads(line[6:])["choices"][0]["text"]
+                        print(text.replace("\n", "\\n"), end="", flush=True)
+            print(
+                f"\n            (first token after {1000 * (first - start):.0f} ms, all in {1000 * (time.perf_counter() - start):.0f} ms)"
+            )
+            reply = client.post(
+                "/generate", json={"prompt": "grace has 7", "max_length": 40, "temperature": 0.0}
+            ).json()
+            print(f"POST /generate -> {reply['generated_text']!r} ({1000 * reply['inference_time']:.0f} ms)")
+    finally:
+        serve.shutdown()
+        print("app shut down")
+
+
 def main() -> int:
-    return run_main(lambda: complete(train()))
+    def run() -> None:
+        model_dir = train()
+        complete(model_dir)
+        serve_and_query(model_dir)
+
+    return run_main(run)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray.train
 import ray.train.torch
 import torch
@@ -68,27 +69,29 @@ def micro_batches(
 
 
 @torch.no_grad()
+def validation_batches(tokens: np.ndarray | None, micro_batch_size: int, rank: int, world: int) -> list[torch.Tensor]:
+    """This rank's share of the fixed validation micro-batches (rank r takes every r-th one)."""
+    if tokens is None:
+        return []
+    tokens = torch.from_numpy(tokens).long()  # (rows, T + 1)
+    batches = [tokens[i : i + micro_batch_size] for i in range(0, len(tokens) - micro_batch_size + 1, micro_batch_size)]
+    return batches[rank::world]
+
+
+@torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, step_fn: TrainStep, val: Any, config: Config, device: torch.device
+    model: torch.nn.Module, step_fn: TrainStep, batches: list[torch.Tensor], device: torch.device
 ) -> float | None:
-    """Mean validation loss over up to eval_batches micro-batches per worker (rank r takes every r-th batch)."""
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    total, count = 0.0, 0
+    """Mean validation loss over this rank's batches, averaged over all ranks."""
+    total = 0.0
     model.eval()
-    batches = val.iter_torch_batches(batch_size=config.train.micro_batch_size, drop_last=True, dtypes=torch.long)
-    for i, batch in enumerate(batches):
-        if i % world != rank:
-            continue
-        if count >= config.train.eval_batches:
-            break
-        tokens = batch["tokens"].to(device)
+    for tokens in batches:
+        tokens = tokens.to(device)
         with step_fn.autocast():
             _, loss = model(tokens[:, :-1], tokens[:, 1:])
         total += loss.item()
-        count += 1
     model.train()
-    total, count = _all_reduce([total, count], device)
+    total, count = _all_reduce([total, len(batches)], device)
     return total / count if count else None
 
 
@@ -210,7 +213,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * world * block_size
     micro_per_epoch = loop_config["num_train_blocks"] // world // tc.micro_batch_size
     train_shard = ray.train.get_dataset_shard("train")
-    val = ray.train.get_dataset_shard("val") if loop_config["has_val"] else None
+    val = validation_batches(loop_config["val_tokens"], tc.micro_batch_size, rank, world) or None
     batches = micro_batches(
         train_shard, tc.micro_batch_size, device, tc.seed + rank, start_step * tc.grad_accum_steps, micro_per_epoch
     )
@@ -285,7 +288,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 [peak_mem], device, dist.ReduceOp.MAX if dist.is_initialized() else None
             )
         if do_eval:
-            val_loss = evaluate(train_model, step_fn, val, config, device)
+            val_loss = evaluate(train_model, step_fn, val, device)
             if val_loss is not None:
                 metrics["val_loss"] = val_loss
                 metrics["val_ppl"] = math.exp(min(val_loss, 50.0))

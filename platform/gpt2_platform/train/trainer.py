@@ -8,6 +8,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import ray.train
 from ray.train.torch import TorchTrainer
 
@@ -16,7 +17,7 @@ from gpt2_platform.config import Config, ConfigError, dump
 from gpt2_platform.loading import model_config
 from gpt2_platform.runtime import init_ray
 from gpt2_platform.tokenizer import load_tokenizer
-from gpt2_platform.train.data import build_datasets, files_by_format
+from gpt2_platform.train.data import TOKENS_COLUMN, Datasets, build_datasets, files_by_format
 from gpt2_platform.train.loop import HISTORY, train_loop_per_worker
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,13 @@ def export_model(checkpoint_dir: Path, config: Config, target: Path) -> Path:
     return target
 
 
+def validation_tokens(datasets: Datasets, num_rows: int) -> np.ndarray | None:
+    """The first `num_rows` validation blocks as one array `(rows, block_size + 1)`."""
+    if datasets.val is None:
+        return None
+    return datasets.val.take_batch(min(num_rows, datasets.num_val_blocks), batch_format="numpy")[TOKENS_COLUMN]
+
+
 def fit(config: Config) -> TrainResult:
     """Train as configured (resuming the run of the same name), export and return where things are."""
     validate(config)
@@ -95,7 +103,9 @@ def fit(config: Config) -> TrainResult:
             "config": config.to_dict(),
             "run_dir": str(run_dir),
             "num_train_blocks": datasets.num_train_blocks,
-            "has_val": datasets.val is not None,
+            # The same validation blocks every evaluation, shipped with the config (small: at most
+            # eval_batches micro-batches per worker), so workers never re-read a dataset for them.
+            "val_tokens": validation_tokens(datasets, tc.eval_batches * tc.micro_batch_size * scaling.num_workers),
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=scaling.num_workers,
@@ -110,9 +120,7 @@ def fit(config: Config) -> TrainResult:
             # Ray Train logs every report at INFO; rank 0 logs the metrics itself.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
-        datasets={"train": datasets.train, **({"val": datasets.val} if datasets.val is not None else {})},
-        # Validation is read whole by every worker, each taking its own batches.
-        dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
+        datasets={"train": datasets.train},
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump(config))
