@@ -54,6 +54,7 @@ class ModelRunner:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.batch_buckets = buckets(num_slots, 1)
         self.span_buckets = buckets(max_seq_len, min(64, max_seq_len))
+        self.prefill_buckets = buckets(max_seq_len, min(16, max_seq_len))
         self.use_graphs = cuda_graphs and device.type == "cuda"
         # Static inputs of the decode step, one column per slot; a graph reads columns [:B].
         # Rows: token, position, step; one pinned host buffer feeds them in one copy.
@@ -85,8 +86,9 @@ class ModelRunner:
     def prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
         """Run new prompts (each from position 0) into their slots; returns each one's first token."""
         batch, longest = len(prompts), max(len(p) for p in prompts)
-        # Round the padded length up, so prompts of similar lengths share kernels and allocations.
-        width = min(self.max_seq_len, -(-longest // 16) * 16)
+        # Pad to a power-of-two width: few shapes, each warmed before serving (a new
+        # attention shape costs hundreds of ms of kernel planning on its first use).
+        width = bucket_for(longest, self.prefill_buckets)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = torch.tensor(prompt)
@@ -179,7 +181,8 @@ class ModelRunner:
                         self._capture(batch, span, mode)
                     else:
                         self.step(batch, span, mode)
-        self.prefill([[0] * min(16, self.max_seq_len)], [0])
+        for width in self.prefill_buckets:
+            self.prefill([[0] * width], [0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
