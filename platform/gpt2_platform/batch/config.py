@@ -1,0 +1,182 @@
+"""Batch generation configuration: dataclasses loaded from YAML, with `--set a.b=c` overrides.
+
+The tree mirrors `jobs/configs/generate-*.yaml`. It reuses the training
+config's loader (`gpt2_platform.config._build`), so types, unknown keys and
+`--set` behave the same in both jobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from gpt2_platform.config import ConfigError, _apply_override, _build
+
+LongPrompts = Literal["reject", "truncate"]
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+
+
+@dataclass
+class InputConfig:
+    paths: list[str] = field(default_factory=list)
+    """Parquet files, directories or globs holding the prompts."""
+    prompt_column: str = "prompt"
+    """Column with the prompt text."""
+    id_column: str | None = None
+    """Column with a unique id per row (string or integer); null derives '<file name>:<row index>'."""
+    max_tokens_column: str | None = None
+    """Optional column with a per-row max_tokens (null in a row: generation.max_tokens)."""
+    temperature_column: str | None = None
+    """Optional column with a per-row temperature (null in a row: generation.temperature)."""
+    seed_column: str | None = None
+    """Optional column with a per-row seed in [0, 2**63) (null in a row: derived from generation.seed and the id)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.paths, str):
+            self.paths = [self.paths]
+        if not self.prompt_column:
+            raise ConfigError("input.prompt_column must not be empty")
+        for name in ("id_column", "max_tokens_column", "temperature_column", "seed_column"):
+            if getattr(self, name) == "":
+                raise ConfigError(f"input.{name} must be a column name or null, not empty")
+
+    def columns(self) -> list[str]:
+        """The input columns the job reads."""
+        optional = (self.id_column, self.max_tokens_column, self.temperature_column, self.seed_column)
+        return list(dict.fromkeys([self.prompt_column, *(c for c in optional if c)]))
+
+
+@dataclass
+class OutputConfig:
+    path: str = ""
+    """Output directory: Parquet files plus summary.json; rerunning with the same path resumes."""
+    progress_bars: bool = True
+    """Show Ray Data's progress bars while the job runs."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("output.path is empty; set it to a directory, e.g. --set output.path=out/")
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Model to generate with: a Hugging Face directory (as jobs/train.py exports) or a hub name."""
+    tokenizer: str | None = None
+    """Tokenizer: a directory, a hub name or 'byte'; null takes the one in the model directory."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("model.path is empty; set it to a model directory, e.g. --set model.path=runs/x/model")
+
+
+@dataclass
+class GenerationConfig:
+    max_tokens: int = 32
+    """Tokens to generate per row, unless the row's max_tokens column says otherwise."""
+    temperature: float = 1.0
+    """Sampling temperature in [0, 100] (0 = greedy), unless the row's temperature column says otherwise."""
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0 = no limit."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 = no limit."""
+    seed: int = 0
+    """Global seed: a row without its own seed gets one derived from this and its id."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a completion (not included in it)."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-text token."""
+    long_prompts: LongPrompts = "reject"
+    """A prompt that leaves no room for max_tokens: 'reject' (an error row) or 'truncate' (keep its end)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError(f"generation.max_tokens must be >= 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
+            raise ConfigError(f"generation.temperature must be in [0, 100], got {self.temperature}")
+        if not 0 <= self.top_k < 2**31:
+            raise ConfigError(f"generation.top_k must be in [0, 2**31), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"generation.top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"generation.seed must be in [0, 2**63), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise ConfigError("generation.stop must not hold empty strings")
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 32
+    """Sequences each engine decodes together."""
+    max_seq_len: int | None = None
+    """Prompt plus completion tokens per sequence; null: the model's context."""
+    dtype: Dtype = "auto"
+    """auto (bf16 on a GPU that has it, else fp32), bf16, fp16 or fp32."""
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs (GPU only)."""
+    compile: bool = False
+    """torch.compile the decode step."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ConfigError(f"engine.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ConfigError(f"engine.max_seq_len must be >= 2 or null, got {self.max_seq_len}")
+
+
+@dataclass
+class ScalingConfig:
+    num_actors: int | None = None
+    """Engine actors; null: one per GPU share (GPUs / num_gpus_per_actor), or 1 on a cluster without GPUs."""
+    num_gpus_per_actor: float | None = None
+    """GPU share per actor (0.25 packs four small models on a GPU); null: 1 with GPUs, 0 (CPU actors) without."""
+    num_cpus_per_actor: float = 1.0
+    """CPUs reserved per actor."""
+    batch_size: int = 256
+    """Rows per map_batches call, so also at most per output file."""
+
+    def __post_init__(self) -> None:
+        if self.num_actors is not None and self.num_actors < 1:
+            raise ConfigError(f"scaling.num_actors must be >= 1 or null, got {self.num_actors}")
+        if self.num_gpus_per_actor is not None and not 0 <= self.num_gpus_per_actor:
+            raise ConfigError(f"scaling.num_gpus_per_actor must be >= 0 or null, got {self.num_gpus_per_actor}")
+        if self.num_gpus_per_actor is not None and self.num_gpus_per_actor > 1 and self.num_gpus_per_actor % 1:
+            raise ConfigError(f"scaling.num_gpus_per_actor above 1 must be whole, got {self.num_gpus_per_actor}")
+        if not (math.isfinite(self.num_cpus_per_actor) and self.num_cpus_per_actor > 0):
+            raise ConfigError(f"scaling.num_cpus_per_actor must be > 0, got {self.num_cpus_per_actor}")
+        if self.batch_size < 1:
+            raise ConfigError(f"scaling.batch_size must be >= 1, got {self.batch_size}")
+
+
+@dataclass
+class GenerateConfig:
+    input: InputConfig = field(default_factory=InputConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> GenerateConfig:
+    """Load a YAML recipe (or the defaults) and apply `a.b=c` overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; recipes live in jobs/configs/")
+        tree = yaml.safe_load(path.read_text()) or {}
+    for assignment in overrides:
+        _apply_override(tree, assignment)
+    # Sections a user leaves out still get validated (e.g. output.path must be set).
+    for section in ("input", "output", "model"):
+        tree.setdefault(section, {})
+    return _build(GenerateConfig, tree, "")

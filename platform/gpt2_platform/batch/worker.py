@@ -1,0 +1,139 @@
+"""The Ray Data actor of batch generation: owns one engine, turns a batch of input rows into output rows."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from gpt2_platform.batch.config import GenerationConfig, InputConfig
+from gpt2_platform.batch.rows import (
+    OUTPUT_SCHEMA,
+    Request,
+    RowError,
+    RowValues,
+    build_request,
+    derived_id,
+    resolve_values,
+)
+
+logger = logging.getLogger(__name__)
+
+# Ray's synthetic columns, read when the input has no id column.
+PATH_COLUMN = "path"
+ROW_HASH_COLUMN = "row_hash"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything an actor needs, sent once at construction."""
+
+    model: str
+    tokenizer: str | None
+    engine: dict[str, Any]
+    device: str
+    input: InputConfig
+    generation: GenerationConfig
+    run_id: str
+
+
+def _column(batch: pa.Table, name: str | None) -> list:
+    return batch.column(name).to_pylist() if name else [None] * batch.num_rows
+
+
+def batch_ids(batch: pa.Table, id_column: str | None) -> list[str]:
+    """The rows' ids: the id column as strings, or '<file name>:<row index>'."""
+    if id_column:
+        return [str(value) for value in batch.column(id_column).to_pylist()]
+    paths = batch.column(PATH_COLUMN).to_pylist()
+    hashes = batch.column(ROW_HASH_COLUMN).to_pylist()
+    return [derived_id(path, row_hash) for path, row_hash in zip(paths, hashes, strict=True)]
+
+
+class GenerateBatch:
+    """map_batches callable class: input rows (pyarrow) -> output rows (OUTPUT_SCHEMA), skipping done ids."""
+
+    def __init__(self, spec: WorkerSpec, done_ids: list) -> None:
+        import ray
+        import torch
+
+        from gpt2_platform.checkpoint import load_pretrained
+        from gpt2_platform.engine.engine import Engine, EngineConfig
+        from gpt2_platform.tokenizer import load_tokenizer
+
+        self.spec = spec
+        # done_ids is [ObjectRef] (wrapped, so Ray does not resolve it into every constructor call's args).
+        self.done: set[str] = set(ray.get(done_ids[0])) if done_ids else set()
+        device = torch.device(spec.device)
+        model = load_pretrained(spec.model, device=device).eval()
+        self.tokenizer = load_tokenizer(spec.tokenizer or spec.model)
+        self.tokenizer.model_max_length = int(1e12)  # prompts are checked against the context here, not there
+        self.engine = Engine(model, self.tokenizer, EngineConfig(**spec.engine), device=device).start()
+        self.max_seq_len = self.engine.max_seq_len
+        logger.info("engine ready on %s (%d ids already done)", device, len(self.done))
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        spec, columns = self.spec, self.spec.input
+        ids = batch_ids(batch, columns.id_column)
+        keep = [i for i, row_id in enumerate(ids) if row_id not in self.done]
+        if len(keep) < batch.num_rows:
+            batch, ids = batch.take(pa.array(keep, pa.int64())), [ids[i] for i in keep]
+        prompts = _column(batch, columns.prompt_column)
+        per_row = zip(
+            _column(batch, columns.max_tokens_column),
+            _column(batch, columns.temperature_column),
+            _column(batch, columns.seed_column),
+            strict=True,
+        )
+        texts = [p if isinstance(p, str) and p else "" for p in prompts]
+        tokenized = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+        values: list[RowValues] = []
+        requests: list[Request | None] = []
+        errors: list[str | None] = []
+        for row_id, prompt, prompt_ids, (max_tokens, temperature, seed) in zip(
+            ids, prompts, tokenized, per_row, strict=True
+        ):
+            row_values, error = resolve_values(row_id, max_tokens, temperature, seed, spec.generation)
+            request = None
+            if error is None:
+                try:
+                    request = build_request(prompt, prompt_ids, row_values, spec.generation, self.max_seq_len)
+                    self.engine.validate(request.prompt_ids, request.params)
+                except RowError as row_error:
+                    error = row_error
+                except ValueError as invalid:  # what the engine refuses (e.g. a token outside the vocabulary)
+                    error, request = RowError("invalid_request", str(invalid)), None
+            values.append(row_values)
+            requests.append(request)
+            errors.append(None if error is None else str(error))
+
+        valid = [r for r in requests if r is not None]
+        completions = iter(self.engine.generate([r.prompt_ids for r in valid], [r.params for r in valid]))
+        rows: dict[str, list] = {name: [] for name in OUTPUT_SCHEMA.names}
+        for row_id, prompt, row_values, request, error in zip(ids, prompts, values, requests, errors, strict=True):
+            completion = next(completions) if request is not None else None
+            if completion is not None and completion.error:
+                error = f"generation_failed: {completion.error}"
+            ok = completion is not None and error is None
+            rows["id"].append(row_id)
+            rows["prompt"].append(prompt)
+            rows["completion"].append(completion.text if ok else None)
+            rows["prompt_tokens"].append(len(request.prompt_ids) if request else None)
+            rows["completion_tokens"].append(completion.completion_tokens if ok else 0)
+            rows["finish_reason"].append(completion.finish_reason if ok else "error")
+            rows["error"].append(error)
+            rows["model"].append(spec.model)
+            rows["seed"].append(row_values.seed)
+            rows["max_tokens"].append(row_values.max_tokens)
+            rows["temperature"].append(row_values.temperature)
+            rows["truncated_tokens"].append(request.truncated_tokens if request else 0)
+            rows["run_id"].append(spec.run_id)
+        return pa.table(rows, schema=OUTPUT_SCHEMA)
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,300 @@
+"""Batch generation on Ray Data (CPU, tiny model): error rows, determinism, kill-and-resume, user errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import REPO_ROOT
+from gpt2_platform import checkpoint
+from gpt2_platform.batch import load, run_generation
+from gpt2_platform.batch.output import MANIFEST_NAME, STAGING_NAME, SUMMARY_NAME, part_files
+from gpt2_platform.batch.rows import OUTPUT_COLUMNS, derive_seed
+from gpt2_platform.model import GPT2, preset
+from gpt2_platform.tokenizer import byte_tokenizer
+
+NUM_GOOD_ROWS = 2000
+MAX_TOKENS = 6
+
+
+def _load_main() -> Callable[[list[str]], int]:
+    spec = importlib.util.spec_from_file_location("jobs_generate", REPO_ROOT / "jobs" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+generate_main = _load_main()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    model = GPT2(preset("tiny"))
+    directory = tmp_path_factory.mktemp("batch") / "model"
+    checkpoint.save_pretrained(model, directory, extra=lambda d: byte_tokenizer().save_pretrained(d))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2000 good rows, then one of each kind of bad row; per-row columns mostly null (the defaults)."""
+    good = [f"alice has {i} apples. bob gives her {i % 7}." for i in range(NUM_GOOD_ROWS)]
+    bad = [None, "", "x" * 400, "bad temperature", "bad max_tokens", "bad seed"]
+    n = len(good) + len(bad)
+    max_tokens = [None] * n
+    temperature = [None] * n
+    seed = [None] * n
+    max_tokens[3] = 3  # a good row with its own max_tokens, temperature and seed
+    temperature[3] = 0.0
+    seed[3] = 12345
+    temperature[NUM_GOOD_ROWS + 3] = -1.0
+    max_tokens[NUM_GOOD_ROWS + 4] = 0
+    seed[NUM_GOOD_ROWS + 5] = -5
+    table = pa.table(
+        {
+            "prompt": pa.array(good + bad, pa.string()),
+            "max_tokens": pa.array(max_tokens, pa.int64()),
+            "temperature": pa.array(temperature, pa.float64()),
+            "seed": pa.array(seed, pa.int64()),
+        }
+    )
+    path = tmp_path_factory.mktemp("input") / "prompts.parquet"
+    pq.write_table(table, path, row_group_size=500)
+    return path
+
+
+def overrides(prompts: Path, output: Path, model_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"input.paths=[{prompts}]",
+        "input.max_tokens_column=max_tokens",
+        "input.temperature_column=temperature",
+        "input.seed_column=seed",
+        f"output.path={output}",
+        "output.progress_bars=false",
+        f"model.path={model_dir}",
+        f"generation.max_tokens={MAX_TOKENS}",
+        "generation.seed=7",
+        "engine.max_batch_size=64",
+        "engine.dtype=fp32",
+        "scaling.num_actors=1",
+        "scaling.batch_size=256",
+        *extra,
+    ]
+
+
+def read_output(directory: Path) -> dict[str, dict]:
+    table = pq.read_table([str(p) for p in part_files(directory)])
+    rows = table.to_pylist()
+    by_id = {row["id"]: row for row in rows}
+    assert len(by_id) == len(rows), "an id appears twice in the output"
+    return by_id
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, prompts: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One complete run over all rows: (summary, rows by id)."""
+    output = tmp_path_factory.mktemp("reference") / "out"
+    summary = run_generation(load(None, overrides(prompts, output, model_dir)))
+    return summary, read_output(output)
+
+
+def test_thousands_of_rows_end_to_end_with_error_rows_counted(reference, prompts: Path):
+    summary, rows = reference
+    num_rows = NUM_GOOD_ROWS + 6
+    assert set(rows) == {f"prompts.parquet:{i}" for i in range(num_rows)}
+    assert summary["rows"] == summary["rows_this_run"] == summary["unique_ids"] == num_rows
+    assert summary["errors_by_kind"] == {
+        "null_prompt": 1,
+        "empty_prompt": 1,
+        "prompt_too_long": 1,
+        "bad_temperature": 1,
+        "bad_max_tokens": 1,
+        "bad_seed": 1,
+    }
+    assert summary["errors"] == 6
+    good = [rows[f"prompts.parquet:{i}"] for i in range(NUM_GOOD_ROWS)]
+    assert all(
+        r["error"] is None and r["completion"] is not None and r["finish_reason"] in ("stop", "length") for r in good
+    )
+    assert summary["completion_tokens"] == sum(r["completion_tokens"] for r in good) > 0
+    assert summary["prompt_tokens"] == sum(r["prompt_tokens"] for r in good)
+    assert summary["completion_tokens_per_s"] > 0 and summary["wall_s"] > 0
+    # Provenance: the settings each row used; seeds derived from the global seed and the id.
+    first = good[0]
+    assert first["seed"] == derive_seed(7, "prompts.parquet:0")
+    assert (first["max_tokens"], first["temperature"]) == (MAX_TOKENS, 1.0)
+    assert first["model"].endswith("model") and first["run_id"] == summary["run_id"]
+    own = good[3]
+    assert (own["seed"], own["max_tokens"], own["temperature"]) == (12345, 3, 0.0)
+    assert own["completion_tokens"] <= 3
+    for i in range(NUM_GOOD_ROWS, num_rows):
+        bad = rows[f"prompts.parquet:{i}"]
+        assert bad["error"] and bad["completion"] is None and bad["finish_reason"] == "error"
+    assert "context of 256 tokens" in rows[f"prompts.parquet:{NUM_GOOD_ROWS + 2}"]["error"]
+    on_disk = json.loads((Path(summary["output"]) / SUMMARY_NAME).read_text())
+    assert on_disk["rows"] == num_rows and on_disk["errors"] == 6
+    assert list(pq.read_schema(part_files(Path(summary["output"]))[0]).names) == list(OUTPUT_COLUMNS)
+
+
+def test_same_completions_whatever_the_batch_size_and_number_of_actors(
+    reference, prompts: Path, model_dir: Path, tmp_path: Path
+):
+    _, expected = reference
+    subset = pq.read_table(prompts).slice(0, 300)
+    small = tmp_path / "prompts.parquet"  # same name: the derived ids match the reference's
+    pq.write_table(subset, small)
+    output = tmp_path / "out"
+    summary = run_generation(
+        load(
+            None,
+            overrides(
+                small, output, model_dir, "scaling.num_actors=2", "scaling.batch_size=37", "engine.max_batch_size=5"
+            ),
+        )
+    )
+    assert summary["num_actors"] == 2 and summary["rows"] == 300
+    rows = read_output(output)
+    for row_id, row in rows.items():
+        assert row["completion"] == expected[row_id]["completion"], row_id
+        assert row["seed"] == expected[row_id]["seed"]
+
+
+def test_long_prompts_are_truncated_from_the_left_when_asked(
+    prompts: Path, model_dir: Path, tmp_path: Path, ray_cluster
+):
+    rows_in = pa.table({"id": [10, 11], "prompt": ["y" * 400, "short"]})
+    path = tmp_path / "long.parquet"
+    pq.write_table(rows_in, path)
+    config = load(
+        None,
+        [
+            f"input.paths=[{path}]",
+            "input.id_column=id",
+            f"output.path={tmp_path / 'out'}",
+            "output.progress_bars=false",
+            f"model.path={model_dir}",
+            "generation.max_tokens=4",
+            "generation.long_prompts=truncate",
+            "scaling.num_actors=1",
+        ],
+    )
+    summary = run_generation(config)
+    rows = read_output(tmp_path / "out")
+    assert summary["errors"] == 0
+    assert rows["10"]["truncated_tokens"] == 400 - (256 - 4) and rows["10"]["prompt_tokens"] == 252
+    assert rows["10"]["completion"] is not None and rows["11"]["truncated_tokens"] == 0
+
+
+def test_killed_run_resumes_with_exactly_one_row_per_id(reference, prompts: Path, model_dir: Path, tmp_path: Path):
+    import ray
+
+    _, expected = reference
+    output = tmp_path / "out"
+    args = [sys.executable, str(REPO_ROOT / "jobs" / "generate.py")]
+    for override in overrides(prompts, output, model_dir, "scaling.batch_size=64"):
+        args += ["--set", override]
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    process = subprocess.Popen(
+        args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    staging = output / STAGING_NAME
+    deadline = time.monotonic() + 120
+    try:
+        while len(list(staging.glob("*/*.parquet"))) < 3:
+            assert process.poll() is None, "the job ended before it could be killed"
+            assert time.monotonic() < deadline, "the job wrote no output in time"
+            time.sleep(0.05)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the driver and anything it started, as a kill -9 would
+        process.wait()
+    time.sleep(2)  # let Ray notice the dead driver and stop its actors
+    (run_dir,) = staging.iterdir()
+    staged = sorted(run_dir.glob("*.parquet"))
+    assert not part_files(output), "nothing is committed before a run ends"
+    # A write cut off mid-file, as a kill during write_parquet leaves it.
+    data = staged[0].read_bytes()
+    (run_dir / "cut-short.parquet").write_bytes(data[: len(data) // 2])
+
+    summary = run_generation(load(None, overrides(prompts, output, model_dir, "scaling.batch_size=64")))
+    rows = read_output(output)
+    assert set(rows) == set(expected)
+    assert summary["rows"] == len(expected) and summary["unique_ids"] == len(expected)
+    assert 0 < summary["rows_this_run"] < len(expected), "the rerun should only generate what was missing"
+    assert len({row["run_id"] for row in rows.values()}) == 2
+    for row_id, row in rows.items():
+        assert (row["completion"], row["error"]) == (expected[row_id]["completion"], expected[row_id]["error"])
+    assert not list(staging.rglob("*.parquet"))
+
+    again = run_generation(load(None, overrides(prompts, output, model_dir, "scaling.batch_size=64")))
+    assert again["rows_this_run"] == 0 and again["rows"] == len(expected)
+
+
+# ---- user errors: caught before Ray starts -------------------------------------------------------------
+
+
+def test_missing_input_and_missing_column_are_clear_errors(prompts: Path, model_dir: Path, tmp_path: Path):
+    with pytest.raises(ValueError, match="does not exist"):
+        run_generation(load(None, overrides(tmp_path / "nope.parquet", tmp_path / "out", model_dir)))
+    with pytest.raises(ValueError, match="has no column 'text'.*input.prompt_column"):
+        run_generation(load(None, [*overrides(prompts, tmp_path / "out", model_dir), "input.prompt_column=text"]))
+    with pytest.raises(ValueError, match="has no column 'uid'.*input.id_column"):
+        run_generation(load(None, [*overrides(prompts, tmp_path / "out", model_dir), "input.id_column=uid"]))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_path_that_holds_something_else_is_refused(prompts: Path, model_dir: Path, tmp_path: Path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not this job's output.*notes.txt"):
+        run_generation(load(None, overrides(prompts, foreign, model_dir)))
+
+    other_parquet = tmp_path / "other"
+    other_parquet.mkdir()
+    pq.write_table(pa.table({"x": [1]}), other_parquet / "data.parquet")
+    with pytest.raises(ValueError, match="not this job's output"):
+        run_generation(load(None, overrides(prompts, other_parquet, model_dir)))
+
+    # Our layout, but a part file without our columns.
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / MANIFEST_NAME).write_text(json.dumps({"identity": {}}))
+    with pytest.raises(ValueError, match="different job"):
+        run_generation(load(None, overrides(prompts, ours, model_dir)))
+
+
+def test_resuming_into_the_output_of_another_input_or_seed_is_refused(
+    reference, prompts: Path, model_dir: Path, tmp_path: Path
+):
+    output = Path(reference[0]["output"])
+    other = tmp_path / "other.parquet"
+    pq.write_table(pq.read_table(prompts).slice(0, 2), other)
+    with pytest.raises(ValueError, match="different job.*input_files"):
+        run_generation(load(None, overrides(other, output, model_dir)))
+    with pytest.raises(ValueError, match="different job.*generation"):
+        run_generation(load(None, [*overrides(prompts, output, model_dir), "generation.seed=8"]))
+
+
+def test_cli_exits_2_with_one_error_line(capsys: pytest.CaptureFixture[str], model_dir: Path, tmp_path: Path):
+    code = generate_main(
+        ["--input", str(tmp_path / "missing.parquet"), "--output", str(tmp_path / "out"), "--model", str(model_dir)]
+    )
+    out = capsys.readouterr().out
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "does not exist" in errors[0], out
+    code = generate_main(["--input", str(tmp_path / "x.parquet"), "--model", str(model_dir)])
+    out = capsys.readouterr().out
+    assert code == 2 and "output.path is empty" in out, out
