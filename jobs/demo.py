@@ -1,10 +1,11 @@
-"""The demo: fine-tune the tiny preset with 2 Ray workers on a corpus the project makes itself, then serve it.
+"""The demo: fine-tune the tiny preset with 2 Ray workers on a corpus the project makes itself, serve it, batch-generate.
 
     make demo          (or: python jobs/demo.py)
 
 Runs on an embedded local Ray on a laptop CPU in a few minutes: trains, loads
 the exported model with plain transformers, then serves it with Ray Serve
-(OpenAI-compatible HTTP), sends a few requests (one streamed) and shuts down.
+(OpenAI-compatible HTTP), sends a few requests (one streamed), shuts it down,
+and finally generates completions for a Parquet file of prompts with Ray Data.
 """
 
 from __future__ import annotations
@@ -141,11 +142,43 @@ def serve_and_query(model_dir: Path) -> None:
         print("app shut down")
 
 
+def batch_generate(model_dir: Path) -> None:
+    """A Parquet file of prompts -> completions with Ray Data and the engine; a few rows and the summary."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gpt2_platform.batch import load, run_generation
+    from gpt2_platform.batch.output import part_files
+
+    banner("batch generation over a Parquet file of prompts (Ray Data)")
+    work = ROOT / "runs" / "demo-batch"
+    if work.exists():
+        shutil.rmtree(work)  # the demo starts fresh; a rerun of a real job resumes instead
+    work.mkdir(parents=True)
+    names = ("alice", "bob", "carol", "dave")
+    prompts = [f"{name} has {n} apples. {names[n % 4]} gives" for n in range(1, 51) for name in names]
+    pq.write_table(pa.table({"prompt": prompts}), work / "prompts.parquet")
+    overrides = [
+        f"input.paths=[{work / 'prompts.parquet'}]",
+        f"output.path={work / 'out'}",
+        f"model.path={model_dir}",
+        "generation.max_tokens=24",
+        "generation.stop=['.']",
+    ]
+    summary = run_generation(load(ROOT / "jobs" / "configs" / "generate-tiny.yaml", overrides))
+    for row in pq.read_table([str(p) for p in part_files(work / "out")]).slice(0, 4).to_pylist():
+        print(f"{row['id']}: {row['prompt']!r} -> {row['completion']!r} ({row['finish_reason']})")
+    keys = ("rows", "errors", "completion_tokens", "completion_tokens_per_s", "wall_s")
+    print("summary:", json.dumps({k: summary[k] for k in keys}))
+    print(f"output: {work / 'out'}")
+
+
 def main() -> int:
     def run() -> None:
         model_dir = train()
         complete(model_dir)
         serve_and_query(model_dir)
+        batch_generate(model_dir)
 
     return run_main(run)
 
