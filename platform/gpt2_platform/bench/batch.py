@@ -1,0 +1,126 @@
+"""Batch-generation benchmark: our job against a naive Ray Data `map_batches` over transformers' `generate`.
+
+Both read the same Parquet prompts and write Parquet completions through Ray Data,
+one GPU actor each, greedy, a fixed number of new tokens per prompt, timed end to
+end (model load and warm-up included) in the same process.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from gpt2_platform import checkpoint
+from gpt2_platform.model import GPT2, preset
+from gpt2_platform.tokenizer import byte_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Printable ASCII: one token per character in the byte tokenizer, so prompt lengths are exact.
+_ALPHABET = [chr(c) for c in range(32, 127)]
+
+
+def write_prompts(path: Path, num_prompts: int, min_tokens: int, max_tokens: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    prompts = ["".join(rng.choices(_ALPHABET, k=rng.randint(min_tokens, max_tokens))) for _ in range(num_prompts)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"prompt": prompts}), path)
+    return path
+
+
+def write_model(directory: Path, preset_name: str) -> Path:
+    """A preset with fresh weights and the byte tokenizer, as a Hugging Face directory."""
+    return checkpoint.save_pretrained(
+        GPT2(preset(preset_name)), directory, overwrite=True, extra=lambda d: byte_tokenizer().save_pretrained(d)
+    )
+
+
+class HFGenerate:
+    """What a newcomer writes: transformers' generate on each batch, left-padded."""
+
+    def __init__(self, model_dir: str, new_tokens: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer.padding_side = "left"
+        self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        self.new_tokens = new_tokens
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        inputs = self.tokenizer(list(batch["prompt"]), return_tensors="pt", padding=True).to(self.device)
+        with self.torch.inference_mode():
+            out = self.model.generate(
+                **inputs,
+                max_new_tokens=self.new_tokens,
+                min_new_tokens=self.new_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.eos_token_id,
+            )
+        texts = self.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :])
+        return {"prompt": batch["prompt"], "completion": np.array(texts, dtype=object)}
+
+
+def naive_job(prompts: Path, model_dir: Path, output: Path, new_tokens: int, batch_size: int) -> dict:
+    import ray
+    import ray.data
+    from ray.data import ActorPoolStrategy
+
+    started = time.perf_counter()
+    ds = ray.data.read_parquet(str(prompts))
+    ds = ds.map_batches(
+        HFGenerate,
+        fn_constructor_kwargs={"model_dir": str(model_dir), "new_tokens": new_tokens},
+        batch_size=batch_size,
+        num_gpus=1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0,
+        compute=ActorPoolStrategy(size=1),
+    )
+    ds.write_parquet(str(output))
+    wall_s = time.perf_counter() - started
+    rows = pq.read_table(output).num_rows
+    return {
+        "job": f"naive map_batches + transformers generate (batch {batch_size})",
+        "rows": rows,
+        "wall_s": wall_s,
+        "generated_tokens_per_s": rows * new_tokens / wall_s,
+    }
+
+
+def our_job(
+    prompts: Path, model_dir: Path, output: Path, new_tokens: int, max_batch_size: int, max_seq_len: int
+) -> dict:
+    from gpt2_platform.batch import load, run_generation
+
+    config = load(
+        None,
+        [
+            f"input.paths=[{prompts}]",
+            f"output.path={output}",
+            f"model.path={model_dir}",
+            f"generation.max_tokens={new_tokens}",
+            "generation.temperature=0",
+            "generation.ignore_eos=true",
+            f"engine.max_batch_size={max_batch_size}",
+            f"engine.max_seq_len={max_seq_len}",
+            "scaling.batch_size=1024",
+        ],
+    )
+    started = time.perf_counter()
+    summary = run_generation(config)
+    wall_s = time.perf_counter() - started
+    return {
+        "job": f"gpt2-platform generate (engine batch {max_batch_size})",
+        "rows": summary["rows"],
+        "wall_s": wall_s,
+        "generated_tokens_per_s": summary["completion_tokens"] / wall_s,
+    }
