@@ -317,8 +317,8 @@ def from_dict(values: dict[str, Any]) -> Config:
     return _build(Config, values, "")
 
 
-def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load a YAML recipe (or the defaults) and apply `a.b=c` overrides."""
+def load_tree(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """A YAML recipe (or nothing) as a nested mapping, with `a.b=c` overrides applied."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -327,7 +327,17 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         tree = yaml.safe_load(path.read_text()) or {}
     for assignment in overrides:
         _apply_override(tree, assignment)
-    return from_dict(tree)
+    return tree
+
+
+def build(cls: type, tree: dict[str, Any]) -> Any:
+    """Validate a nested mapping into the dataclass tree rooted at `cls` (any config of this project)."""
+    return _build(cls, tree, "")
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a training recipe (or the defaults) and apply `a.b=c` overrides."""
+    return from_dict(load_tree(path, overrides))
 
 
 def dump(config: Config) -> str:

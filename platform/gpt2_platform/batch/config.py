@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from gpt2_platform.config import ConfigError, _apply_override, _build
+from gpt2_platform.config import ConfigError, build, load_tree
 
 LongPrompts = Literal["reject", "truncate"]
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
@@ -168,15 +166,8 @@ class GenerateConfig:
 
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> GenerateConfig:
     """Load a YAML recipe (or the defaults) and apply `a.b=c` overrides."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; recipes live in jobs/configs/")
-        tree = yaml.safe_load(path.read_text()) or {}
-    for assignment in overrides:
-        _apply_override(tree, assignment)
+    tree = load_tree(path, overrides)
     # Sections a user leaves out still get validated (e.g. output.path must be set).
     for section in ("input", "output", "model"):
         tree.setdefault(section, {})
-    return _build(GenerateConfig, tree, "")
+    return build(GenerateConfig, tree)
