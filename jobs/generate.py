@@ -20,25 +20,17 @@ from pathlib import Path
 # Run from a checkout without installing: the package lives in platform/.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
-from gpt2_platform.jobs_common import run_main  # noqa: E402
+from gpt2_platform.jobs_common import add_config_arguments, run_main  # noqa: E402
 
 logger = logging.getLogger("generate")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML recipe (jobs/configs/generate-*.yaml)")
+    add_config_arguments(parser, "generation.max_tokens=64")
     parser.add_argument("--input", action="append", default=[], help="Parquet file, directory or glob (repeatable)")
     parser.add_argument("--output", help="output directory (same as --set output.path=...)")
     parser.add_argument("--model", help="model directory or hub name (same as --set model.path=...)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set generation.max_tokens=64 (repeatable)",
-    )
     args = parser.parse_args(argv)
 
     def run() -> None:

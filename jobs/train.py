@@ -18,22 +18,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
 from gpt2_platform import config as config_lib  # noqa: E402
-from gpt2_platform.jobs_common import run_main  # noqa: E402
+from gpt2_platform.jobs_common import add_config_arguments, run_main  # noqa: E402
 
 logger = logging.getLogger("train")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML recipe (jobs/configs/*.yaml)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set train.max_steps=100 (repeatable)",
-    )
+    add_config_arguments(parser, "train.max_steps=100")
     parser.add_argument("--profile", action="store_true", help="record a torch.profiler trace (train.profile_steps)")
     args = parser.parse_args(argv)
 

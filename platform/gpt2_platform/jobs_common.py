@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Callable
 
@@ -9,6 +10,19 @@ logger = logging.getLogger(__name__)
 
 # Errors that mean "the input was wrong": one clear line and exit status 2, no traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
+    """The one way to configure a job: `--config recipe.yaml` and repeatable `--set a.b=c`."""
+    parser.add_argument("--config", help="YAML recipe (jobs/configs/*.yaml)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config field, e.g. --set {example} (repeatable)",
+    )
 
 
 def configure_logging(level: int = logging.INFO) -> None:

@@ -27,6 +27,19 @@ class GenerationMeasurement:
     tokens_per_s: float
     ms_per_step: float
 
+    @classmethod
+    def of(cls, implementation: str, prompts: torch.Tensor, new_tokens: int, seconds: float) -> GenerationMeasurement:
+        batch, length = prompts.shape
+        return cls(
+            implementation,
+            batch,
+            length,
+            new_tokens,
+            seconds,
+            batch * new_tokens / seconds,
+            1000 * seconds / new_tokens,
+        )
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -61,16 +74,7 @@ def hf_generate(
         hf.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
         _sync(device)
     seconds = time.perf_counter() - start
-    batch = prompts.shape[0]
-    return GenerationMeasurement(
-        "transformers generate",
-        batch,
-        prompts.shape[1],
-        new_tokens,
-        seconds,
-        batch * new_tokens / seconds,
-        1000 * seconds / new_tokens,
-    )
+    return GenerationMeasurement.of("transformers generate", prompts, new_tokens, seconds)
 
 
 def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> GenerationMeasurement:
@@ -82,16 +86,7 @@ def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> G
     results = engine.generate(rows, params)
     seconds = time.perf_counter() - start
     assert all(r.completion_tokens == new_tokens for r in results)
-    batch = prompts.shape[0]
-    return GenerationMeasurement(
-        "gpt2-platform engine",
-        batch,
-        prompts.shape[1],
-        new_tokens,
-        seconds,
-        batch * new_tokens / seconds,
-        1000 * seconds / new_tokens,
-    )
+    return GenerationMeasurement.of("gpt2-platform engine", prompts, new_tokens, seconds)
 
 
 def decode_step_latency(engine: Engine, batch: int, position: int, repeats: int = 200) -> float:
