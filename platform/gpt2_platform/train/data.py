@@ -239,8 +239,8 @@ def build_datasets(config: DataConfig, vocab_size: int, min_train_blocks: int) -
             f"fewer than the {min_train_blocks} one optimizer step needs; add data or lower the batch or block size"
         )
     with _data_context(preserve_order=True, progress_bars=False):
-        # The workers re-read validation at every evaluation; a Dataset keeps the
-        # DataContext it was made with, so its bars are switched off here.
+        # A Dataset keeps the DataContext it was made with: the same split for a seed on any
+        # cluster, and no progress bar per epoch of streaming (rank 0's metrics show progress).
         if num_val:
             train, val = blocks.train_test_split(test_size=num_val, shuffle=True, seed=config.seed)
             train, val = train.materialize(), val.materialize()
