@@ -60,3 +60,21 @@ def tiny_config(corpus: Path, storage: Path, *overrides: str) -> config_lib.Conf
         f"run.storage_path={storage}",
     ]
     return config_lib.load(None, [*base, *overrides])
+
+
+def prometheus_lines(metric: str, timeout_s: float = 40.0) -> list[str]:
+    """Sample lines of `metric` on this node's Ray metrics endpoint (export takes ~10 s), [] if none come."""
+    import time
+    import urllib.request
+
+    import ray
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        lines = [line for line in text.splitlines() if line.startswith(metric + "{")]
+        if lines:
+            return lines
+        time.sleep(1)
+    return []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import prometheus_lines, tiny_config
 from gpt2_platform.train.loop import HISTORY, OPTIMIZER_STATE, TRAIN_STATE
 from gpt2_platform.train.trainer import fit
 
@@ -50,6 +50,9 @@ def test_two_workers_learn_and_export_a_model_transformers_loads(ray_cluster, co
     # Checkpoint: Hugging Face weights, optimizer and step, resolved config.
     assert json.loads((result.checkpoint_dir / TRAIN_STATE).read_text())["step"] == 40
     assert (result.checkpoint_dir / "config.yaml").read_text().count("num_workers: 2") == 1
+    # Rank 0 exported the metrics to Prometheus, tagged with the run.
+    (loss_line,) = [line for line in prometheus_lines("ray_gpt2_train_loss") if f'run="{config.run.name}"' in line]
+    assert float(loss_line.rsplit(" ", 1)[1]) == pytest.approx(records[-1]["loss"], rel=1e-5)
     # The profiler wrote TensorBoard traces next to the run.
     assert list((result.run_dir / "profile").glob("*.pt.trace.json*"))
 

@@ -23,6 +23,7 @@ from gpt2_platform import checkpoint as ckpt
 from gpt2_platform.config import Config, dump, from_dict
 from gpt2_platform.loading import build_model
 from gpt2_platform.model import GPT2, flops_per_token
+from gpt2_platform.train.metrics import TrainMetrics
 from gpt2_platform.train.parallelize import parallelize
 from gpt2_platform.train.step import TrainStep, build_optimizer, lr_at, resolve_precision
 from gpt2_platform.train.throughput import mfu, peak_memory_gib, peak_tflops
@@ -299,6 +300,16 @@ def train_loop_per_worker(loop_config: dict) -> None:
         window_steps, window_start = 0, time.perf_counter()
 
 
+_METRICS: dict[str, TrainMetrics] = {}
+
+
+def _train_metrics(run_name: str) -> TrainMetrics:
+    """One set of gauges per run in this worker process (Ray metrics are registered once)."""
+    if run_name not in _METRICS:
+        _METRICS[run_name] = TrainMetrics(run_name)
+    return _METRICS[run_name]
+
+
 def _report(
     metrics: dict,
     do_checkpoint: bool,
@@ -312,6 +323,7 @@ def _report(
     """Every rank reports (ray.train.report is a barrier); rank 0 alone attaches the checkpoint."""
     if rank == 0:
         _append_history(run_dir, {**metrics, "time": time.time()})
+        _train_metrics(config.run.name).record(metrics)
         extra = "".join(f" {k}={metrics[k]:.4g}" for k in ("val_loss", "mfu", "peak_mem_gib") if k in metrics)
         logger.info(
             "step %d loss %.4f lr %.2e grad_norm %.3f %.0f tokens/s%s",

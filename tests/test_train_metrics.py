@@ -1,0 +1,23 @@
+"""Training metrics exported as Ray metrics: names Prometheus keeps, one gauge per reported key."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import prometheus_lines
+from gpt2_platform.train.metrics import GAUGES, TrainMetrics
+
+PROMETHEUS_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def test_every_gauge_name_is_one_prometheus_keeps():
+    assert all(PROMETHEUS_NAME.fullmatch(name) for name, _ in GAUGES.values())
+    assert len({name for name, _ in GAUGES.values()}) == len(GAUGES)
+
+
+def test_record_exports_the_reported_keys_and_skips_missing_ones(ray_cluster):
+    metrics = TrainMetrics("run-a")
+    metrics.record({"step": 5, "loss": 2.5, "tokens_per_s": 1000.0})  # no mfu or val_loss on CPU
+    (line,) = [x for x in prometheus_lines("ray_gpt2_train_tokens_per_second") if 'run="run-a"' in x]
+    assert line.endswith(" 1000.0")
+    assert not [x for x in prometheus_lines("ray_gpt2_train_mfu", timeout_s=2) if 'run="run-a"' in x]
