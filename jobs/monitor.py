@@ -1,0 +1,62 @@
+"""GPU monitoring for the cluster: per-GPU metrics in the Ray dashboard, and a status table.
+
+    python jobs/monitor.py start [--interval-s 5]   # one exporter actor per node (idempotent)
+    python jobs/monitor.py status [--json]          # a fresh per-node, per-GPU table
+
+Connects to RAY_ADDRESS when set, else starts an embedded local Ray. A node
+without NVIDIA GPUs is reported plainly ("no NVIDIA GPU on node X (reason)"),
+which is not an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+# Run from a checkout without installing: the package lives in platform/.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
+
+from gpt2_platform.jobs_common import run_main  # noqa: E402
+
+logger = logging.getLogger("monitor")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    start = commands.add_parser("start", help="start a GPU exporter actor on every alive node")
+    start.add_argument("--interval-s", type=float, default=5.0, help="seconds between samples (default 5)")
+    status = commands.add_parser("status", help="print a fresh per-node, per-GPU table")
+    status.add_argument("--json", action="store_true", help="print the samples as JSON instead")
+    args = parser.parse_args(argv)
+
+    def run() -> None:
+        from gpt2_platform.monitoring import exporter
+        from gpt2_platform.monitoring.nvml import format_status
+        from gpt2_platform.runtime import init_ray
+
+        init_ray()
+        if args.command == "start":
+            if not os.environ.get("RAY_ADDRESS"):
+                logger.warning("RAY_ADDRESS is not set: the exporters live only as long as this embedded Ray")
+            handles = exporter.start_exporters(interval_s=args.interval_s)
+            print(
+                f"GPU exporters running on {len(handles)} node(s) (namespace {exporter.NAMESPACE}), every {args.interval_s:g} s"
+            )
+            return
+        samples = exporter.collect_samples()
+        if args.json:
+            print(json.dumps([dataclasses.asdict(sample) for sample in samples], indent=2))
+        else:
+            print(format_status(samples))
+
+    return run_main(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Export GPU samples as Ray metrics: one `GpuExporter` actor per node, pinned there.
+
+The gauges land in Ray's Prometheus endpoint and so in the Ray dashboard's
+Grafana panels. A node without NVIDIA GPUs runs the actor too; it reports
+`available=False` and exports nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from gpt2_platform.monitoring.nvml import NodeSample, NvmlSampler
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "gpt2-monitoring"
+ACTOR_NAME_PREFIX = "gpt2-gpu-exporter-"
+# Prometheus (and so Ray) silently drops a metric whose name is outside this.
+_METRIC_NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+GPU_TAG_KEYS = ("node", "gpu", "uuid")
+PROCESS_TAG_KEYS = (*GPU_TAG_KEYS, "pid", "ray_actor")
+
+
+def validate_metric_name(name: str) -> str:
+    """`name` if Prometheus accepts it, else ValueError (Ray would drop the metric without a word)."""
+    if not _METRIC_NAME_RE.fullmatch(name):
+        raise ValueError(f"metric name {name!r} is not valid for Prometheus ([a-zA-Z_:][a-zA-Z0-9_:]*)")
+    return name
+
+
+# metric name -> (description, GpuSample field); every name checked here, at definition.
+GPU_METRICS: dict[str, tuple[str, str]] = {
+    validate_metric_name(name): spec
+    for name, spec in {
+        "gpt2_gpu_utilization_percent": ("GPU busy time over the last sample period, %", "utilization_gpu_percent"),
+        "gpt2_gpu_memory_utilization_percent": ("GPU memory busy time, %", "utilization_memory_percent"),
+        "gpt2_gpu_memory_used_bytes": ("GPU memory in use, bytes", "memory_used_bytes"),
+        "gpt2_gpu_memory_total_bytes": ("GPU memory in total, bytes", "memory_total_bytes"),
+        "gpt2_gpu_power_watts": ("GPU power draw, W", "power_watts"),
+        "gpt2_gpu_temperature_celsius": ("GPU temperature, C", "temperature_celsius"),
+        "gpt2_gpu_sm_clock_mhz": ("GPU SM clock, MHz", "sm_clock_mhz"),
+    }.items()
+}
+PROCESS_MEMORY_METRIC = validate_metric_name("gpt2_gpu_process_memory_bytes")
+METRIC_NAMES: tuple[str, ...] = (*GPU_METRICS, PROCESS_MEMORY_METRIC)
+
+
+def metric_points(sample: NodeSample, actor_of_pid: Any = lambda pid: "") -> list[tuple[str, float, dict[str, str]]]:
+    """(metric name, value, tags) for every known value in `sample`; fields that are None are left out."""
+    points: list[tuple[str, float, dict[str, str]]] = []
+    if not sample.available:
+        return points
+    for gpu in sample.gpus:
+        tags = {"node": sample.node, "gpu": str(gpu.index), "uuid": gpu.uuid or ""}
+        for name, (_, field_name) in GPU_METRICS.items():
+            value = getattr(gpu, field_name)
+            if value is not None:
+                points.append((name, float(value), tags))
+        for process in gpu.processes or []:
+            if process.used_memory_bytes is not None:
+                process_tags = {**tags, "pid": str(process.pid), "ray_actor": actor_of_pid(process.pid)}
+                points.append((PROCESS_MEMORY_METRIC, float(process.used_memory_bytes), process_tags))
+    return points
+
+
+class RayActorLookup:
+    """pid -> "Class:name-or-id" of the Ray actor in that process, via the state API; "" when unknown.
+
+    The state API needs the dashboard; when it fails, lookups pause for `retry_s`.
+    """
+
+    def __init__(self, retry_s: float = 60.0, timeout_s: int = 2) -> None:
+        self.retry_s = retry_s
+        self.timeout_s = timeout_s
+        self._cache: dict[int, str] = {}
+        self._paused_until = 0.0
+
+    def __call__(self, pid: int) -> str:
+        if pid in self._cache:
+            return self._cache[pid]
+        if time.monotonic() < self._paused_until:
+            return ""
+        try:
+            from ray.util.state import list_actors
+
+            actors = list_actors(
+                filters=[("pid", "=", pid), ("state", "=", "ALIVE")],
+                timeout=self.timeout_s,
+                raise_on_missing_output=False,
+            )
+        except Exception as error:
+            logger.debug("actor lookup for pid %s failed: %r", pid, error)
+            self._paused_until = time.monotonic() + self.retry_s
+            return ""
+        label = ""
+        if actors:
+            actor = actors[0]
+            label = f"{actor.class_name}:{actor.name or actor.actor_id[:12]}"
+        self._cache[pid] = label
+        return label
+
+    def forget_except(self, live_pids: set[int]) -> None:
+        # pids are reused: keep only those still on a GPU.
+        self._cache = {pid: label for pid, label in self._cache.items() if pid in live_pids}
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class GpuExporter:
+    """Samples this node's GPUs every `interval_s` and sets the gauges; never raises out of its loop."""
+
+    def __init__(self, interval_s: float = 5.0, node: str | None = None) -> None:
+        from ray.util.metrics import Gauge
+
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.interval_s = interval_s
+        self.sampler = NvmlSampler(node=node or ray.util.get_node_ip_address())
+        self.actor_of_pid = RayActorLookup()
+        self.gauges = {
+            name: Gauge(name, description, tag_keys=GPU_TAG_KEYS) for name, (description, _) in GPU_METRICS.items()
+        }
+        self.gauges[PROCESS_MEMORY_METRIC] = Gauge(
+            PROCESS_MEMORY_METRIC, "GPU memory held by a process, bytes", tag_keys=PROCESS_TAG_KEYS
+        )
+        self.last_sample: NodeSample | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gpu-exporter", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.export_once()
+            except Exception:  # a monitor never takes its host down
+                logger.warning("GPU export failed; retrying in %.0f s", self.interval_s, exc_info=True)
+            self._stop.wait(self.interval_s)
+
+    def export_once(self) -> NodeSample:
+        sample = self.sampler.sample_all()
+        live_pids = {p.pid for gpu in sample.gpus for p in gpu.processes or []}
+        self.actor_of_pid.forget_except(live_pids)
+        for name, value, tags in metric_points(sample, self.actor_of_pid):
+            self.gauges[name].set(value, tags=tags)
+        self.last_sample = sample
+        return sample
+
+    def sample(self) -> NodeSample:
+        """A fresh sample of this node's GPUs (not exported; the loop does that)."""
+        return self.sampler.sample_all()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 1)
+        self.sampler.close()
+
+
+@ray.remote(num_cpus=0)
+def _sample_once() -> NodeSample:
+    sampler = NvmlSampler(node=ray.util.get_node_ip_address())
+    try:
+        return sampler.sample_all()
+    finally:
+        sampler.close()
+
+
+def actor_name(node_id: str) -> str:
+    return f"{ACTOR_NAME_PREFIX}{node_id}"
+
+
+def alive_nodes() -> list[dict]:
+    return [node for node in ray.nodes() if node.get("Alive")]
+
+
+def start_exporters(interval_s: float = 5.0, detached: bool = True) -> list[ray.actor.ActorHandle]:
+    """One exporter per alive node, pinned there; idempotent (an existing one is reused).
+
+    Detached by default so the exporters outlive the `jobs/monitor.py start` driver.
+    """
+    if interval_s <= 0:
+        raise ValueError(f"--interval-s must be > 0, got {interval_s}")
+    handles = []
+    for node in alive_nodes():
+        node_id = node["NodeID"]
+        options: dict[str, Any] = {
+            "name": actor_name(node_id),
+            "namespace": NAMESPACE,
+            "get_if_exists": True,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+        }
+        if detached:
+            options["lifetime"] = "detached"
+        handles.append(GpuExporter.options(**options).remote(interval_s, node.get("NodeManagerAddress")))
+    return handles
+
+
+def collect_samples(timeout_s: float = 30.0) -> list[NodeSample]:
+    """A fresh sample from every alive node: from its exporter, else from a one-shot task pinned there."""
+    pending = []
+    for node in alive_nodes():
+        node_id = node["NodeID"]
+        try:
+            pending.append((node, ray.get_actor(actor_name(node_id), namespace=NAMESPACE).sample.remote()))
+        except ValueError:  # no exporter on this node
+            strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+            pending.append((node, _sample_once.options(scheduling_strategy=strategy).remote()))
+    samples = []
+    for node, ref in pending:
+        label = node.get("NodeManagerAddress") or node["NodeID"]
+        try:
+            samples.append(ray.get(ref, timeout=timeout_s))
+        except Exception as error:
+            samples.append(NodeSample(label, available=False, reason=f"could not sample: {error!r}"))
+    return samples

@@ -1,0 +1,36 @@
+"""The Grafana dashboard queries only metrics the platform actually exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from gpt2_platform.monitoring.exporter import METRIC_NAMES as GPU_METRICS
+from gpt2_platform.train.metrics import GAUGES as TRAIN_GAUGES
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "deployments" / "grafana" / "gpt2-platform.json"
+
+
+def serve_metric_names(ray_cluster) -> set[str]:
+    from gpt2_platform.serve.metrics import ServeMetrics
+
+    metrics = ServeMetrics("m")
+    return {value._name for value in vars(metrics).values() if hasattr(value, "_name")}
+
+
+def exported(names: set[str]) -> set[str]:
+    """Ray prefixes custom metrics with ray_; counters gain _total and histograms _bucket/_sum/_count."""
+    return {f"ray_{name}{suffix}" for name in names for suffix in ("", "_total", "_bucket", "_sum", "_count")}
+
+
+def test_every_panel_query_names_an_exported_metric(ray_cluster):
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    queries += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    used = {name for q in queries for name in re.findall(r"\bray_gpt2_\w+", q)}
+    known = exported({*GPU_METRICS, *(name for name, _ in TRAIN_GAUGES.values()), *serve_metric_names(ray_cluster)})
+    assert used, "the dashboard has no queries"
+    assert used <= known, f"queries for metrics nobody exports: {sorted(used - known)}"
+    # Every family has a panel: GPUs, training and serving.
+    assert {n.split("_")[2] for n in used} == {"gpu", "train", "serve"}

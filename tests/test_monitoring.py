@@ -1,0 +1,229 @@
+"""GPU monitoring: NVML sampling against a fake NVML, metric names, the status table, and exporters on real Ray."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import REPO_ROOT
+from gpt2_platform.monitoring import exporter
+from gpt2_platform.monitoring.nvml import GpuProcess, GpuSample, NodeSample, NvmlSampler, format_status
+
+PROMETHEUS_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+GIB = 2**30
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+class FakeNVML:
+    """The pynvml functions the sampler calls, over 2 fake GPUs; `failing` names calls that raise NVMLError."""
+
+    NVMLError = FakeNVMLError
+    NVML_TEMPERATURE_GPU = 0
+    NVML_CLOCK_SM = 1
+
+    def __init__(self, failing: tuple[str, ...] = ()) -> None:
+        self.failing = set(failing)
+        self.initialized = False
+
+    def _check(self, name: str) -> None:
+        if name in self.failing:
+            raise FakeNVMLError(f"{name}: Not Supported")
+
+    def nvmlInit(self) -> None:
+        self._check("nvmlInit")
+        self.initialized = True
+
+    def nvmlShutdown(self) -> None:
+        self.initialized = False
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._check("nvmlDeviceGetCount")
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        self._check("nvmlDeviceGetHandleByIndex")
+        return index
+
+    def nvmlDeviceGetName(self, handle: int) -> str:
+        self._check("nvmlDeviceGetName")
+        return "NVIDIA H200"
+
+    def nvmlDeviceGetUUID(self, handle: int) -> bytes:
+        self._check("nvmlDeviceGetUUID")
+        return f"GPU-0000-{handle}".encode()  # older pynvml returns bytes
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> SimpleNamespace:
+        self._check("nvmlDeviceGetUtilizationRates")
+        return SimpleNamespace(gpu=90 + handle, memory=40 + handle)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
+        self._check("nvmlDeviceGetMemoryInfo")
+        return SimpleNamespace(used=(10 + handle) * GIB, total=141 * GIB, free=(131 - handle) * GIB)
+
+    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
+        self._check("nvmlDeviceGetPowerUsage")
+        return 650_500 + handle * 1000  # mW
+
+    def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
+        self._check("nvmlDeviceGetTemperature")
+        assert sensor == self.NVML_TEMPERATURE_GPU
+        return 60 + handle
+
+    def nvmlDeviceGetClockInfo(self, handle: int, clock: int) -> int:
+        self._check("nvmlDeviceGetClockInfo")
+        assert clock == self.NVML_CLOCK_SM
+        return 1980
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[SimpleNamespace]:
+        self._check("nvmlDeviceGetComputeRunningProcesses")
+        if handle == 0:
+            return [SimpleNamespace(pid=1234, usedGpuMemory=8 * GIB), SimpleNamespace(pid=99, usedGpuMemory=None)]
+        return []
+
+
+def fake_sample(failing: tuple[str, ...] = ()) -> NodeSample:
+    return NvmlSampler(nvml=FakeNVML(failing), node="node-a").sample_all()
+
+
+def test_fake_gpus_are_sampled_with_units_converted() -> None:
+    sample = fake_sample()
+    assert sample.available and sample.reason == "" and sample.node == "node-a"
+    assert [gpu.index for gpu in sample.gpus] == [0, 1]
+    gpu0, gpu1 = sample.gpus
+    assert gpu0 == GpuSample(
+        index=0,
+        uuid="GPU-0000-0",
+        name="NVIDIA H200",
+        utilization_gpu_percent=90.0,
+        utilization_memory_percent=40.0,
+        memory_used_bytes=10 * GIB,
+        memory_total_bytes=141 * GIB,
+        power_watts=650.5,
+        temperature_celsius=60.0,
+        sm_clock_mhz=1980.0,
+        processes=[GpuProcess(pid=1234, used_memory_bytes=8 * GIB), GpuProcess(pid=99, used_memory_bytes=None)],
+    )
+    assert gpu1.power_watts == pytest.approx(651.5)
+    assert gpu1.memory_used_bytes == 11 * GIB and gpu1.processes == []
+
+
+def test_one_failing_call_leaves_only_that_field_empty() -> None:
+    sample = fake_sample(failing=("nvmlDeviceGetPowerUsage",))
+    assert sample.available
+    for gpu in sample.gpus:
+        assert gpu.power_watts is None
+        assert gpu.temperature_celsius is not None and gpu.memory_total_bytes == 141 * GIB and gpu.uuid
+
+
+def test_every_call_failing_still_never_raises() -> None:
+    calls = [name for name in dir(FakeNVML) if name.startswith("nvmlDevice") and name != "nvmlDeviceGetCount"]
+    sample = fake_sample(failing=tuple(calls))
+    assert sample.available and [gpu.index for gpu in sample.gpus] == [0, 1]
+    assert all(gpu.uuid is None and gpu.power_watts is None for gpu in sample.gpus)
+
+
+def test_a_non_nvml_exception_is_guarded_too() -> None:
+    nvml = FakeNVML()
+    nvml.nvmlDeviceGetTemperature = lambda handle, sensor: 1 / 0
+    sample = NvmlSampler(nvml=nvml, node="node-a").sample_all()
+    assert sample.available and all(gpu.temperature_celsius is None and gpu.power_watts for gpu in sample.gpus)
+
+
+def test_init_failure_means_not_available_with_a_reason() -> None:
+    sample = fake_sample(failing=("nvmlInit",))
+    assert not sample.available and sample.gpus == []
+    assert "NVML could not start" in sample.reason and "nvmlInit" in sample.reason
+
+
+def test_the_real_pynvml_here_degrades_without_raising() -> None:
+    sampler = NvmlSampler()  # this machine has no NVIDIA driver
+    sample = sampler.sample_all()
+    sampler.close()
+    if sample.available:
+        pytest.skip("this machine has an NVIDIA driver")
+    assert sample.reason and sample.gpus == []
+
+
+def test_metric_names_are_prometheus_valid() -> None:
+    assert len(exporter.METRIC_NAMES) == 8
+    for name in exporter.METRIC_NAMES:
+        assert PROMETHEUS_NAME.fullmatch(name), name
+        assert exporter.validate_metric_name(name) == name
+    for bad in ("gpt2-gpu-power", "gpu.power", "1gpu", "gpu power", ""):
+        with pytest.raises(ValueError, match="not valid for Prometheus"):
+            exporter.validate_metric_name(bad)
+
+
+def test_metric_points_carry_values_and_tags() -> None:
+    points = exporter.metric_points(fake_sample(), actor_of_pid=lambda pid: f"TrainWorker:{pid}")
+    by_key = {(name, tags["gpu"], tags.get("pid")): (value, tags) for name, value, tags in points}
+    value, tags = by_key[("gpt2_gpu_power_watts", "0", None)]
+    assert value == 650.5 and tags == {"node": "node-a", "gpu": "0", "uuid": "GPU-0000-0"}
+    assert by_key[("gpt2_gpu_memory_total_bytes", "1", None)][0] == 141 * GIB
+    value, tags = by_key[("gpt2_gpu_process_memory_bytes", "0", "1234")]
+    assert value == 8 * GIB and tags["ray_actor"] == "TrainWorker:1234" and tags["uuid"] == "GPU-0000-0"
+    assert ("gpt2_gpu_process_memory_bytes", "0", "99") not in by_key  # unknown usage: no point
+    assert {name for name, _, _ in points} == set(exporter.METRIC_NAMES)
+    assert all(isinstance(v, str) for _, _, tags in points for v in tags.values())
+
+
+def test_metric_points_skip_empty_fields_and_unavailable_nodes() -> None:
+    points = exporter.metric_points(fake_sample(failing=("nvmlDeviceGetPowerUsage",)))
+    assert points and "gpt2_gpu_power_watts" not in {name for name, _, _ in points}
+    assert exporter.metric_points(NodeSample("node-b", available=False, reason="no driver")) == []
+
+
+def test_status_table_renders_gpus_and_gpu_less_nodes() -> None:
+    table = format_status(
+        [fake_sample(failing=("nvmlDeviceGetTemperature",)), NodeSample("node-b", False, "no driver")]
+    )
+    lines = table.splitlines()
+    assert lines[0].startswith("node") and "SM MHz" in lines[0]
+    assert "NVIDIA H200" in lines[1] and "650" in lines[1] and "10.0/141.0" in lines[1] and "1234:8.0" in lines[1]
+    assert "n/a" in lines[1]  # the failed temperature
+    assert lines[-1] == "no NVIDIA GPU on node node-b (no driver)"
+    assert format_status([NodeSample("vm", False, "NVML Shared Library Not Found")]) == (
+        "no NVIDIA GPU on node vm (NVML Shared Library Not Found)"
+    )
+
+
+def _load_main() -> Callable[[list[str]], int]:
+    # jobs/ is not a package: load the script as a module from its path.
+    spec = importlib.util.spec_from_file_location("jobs_monitor", REPO_ROOT / "jobs" / "monitor.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.mark.slow
+def test_exporters_on_real_ray(ray_cluster: None, capsys: pytest.CaptureFixture[str]) -> None:
+    import ray
+
+    monitor_main = _load_main()
+    # No exporter yet: status samples through a one-shot task pinned to each node.
+    assert monitor_main(["status"]) == 0
+    assert "no NVIDIA GPU on node" in capsys.readouterr().out
+
+    first = exporter.start_exporters(interval_s=0.5)
+    try:
+        second = exporter.start_exporters(interval_s=0.5)
+        assert len(first) == len(second) == 1
+        assert first[0]._actor_id == second[0]._actor_id
+        sample = ray.get(first[0].sample.remote(), timeout=60)
+        assert not sample.available and sample.reason  # no NVIDIA GPU here
+
+        assert monitor_main(["status"]) == 0
+        out = capsys.readouterr().out
+        assert "no NVIDIA GPU on node" in out, out
+        assert monitor_main(["status", "--json"]) == 0
+        assert '"available": false' in capsys.readouterr().out
+    finally:
+        for handle in first:
+            ray.kill(handle)
