@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import re
+import sys
+
+import ray
+import ray.cloudpickle
 
 from conftest import prometheus_lines
 from gpt2_platform.train.metrics import GAUGES, TrainMetrics
@@ -16,8 +20,22 @@ def test_every_gauge_name_is_one_prometheus_keeps():
 
 
 def test_record_exports_the_reported_keys_and_skips_missing_ones(ray_cluster):
-    metrics = TrainMetrics("run-a")
-    metrics.record({"step": 5, "loss": 2.5, "tokens_per_s": 1000.0})  # no mfu or val_loss on CPU
-    (line,) = [x for x in prometheus_lines("ray_gpt2_train_tokens_per_second") if 'run="run-a"' in x]
-    assert line.endswith(" 1000.0")
-    assert not [x for x in prometheus_lines("ray_gpt2_train_mfu", timeout_s=2) if 'run="run-a"' in x]
+    # Recorded from an actor, as rank 0 of a training run does (its process exports the metrics).
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    recorder = Recorder.remote()
+    try:
+        ray.get(recorder.record.remote("run-a", {"step": 5, "loss": 2.5, "tokens_per_s": 1000.0}))  # no mfu on CPU
+        (line,) = [x for x in prometheus_lines("ray_gpt2_train_tokens_per_second") if 'run="run-a"' in x]
+        assert line.endswith(" 1000.0")
+        assert not [x for x in prometheus_lines("ray_gpt2_train_mfu", timeout_s=2) if 'run="run-a"' in x]
+    finally:
+        ray.kill(recorder)
+
+
+@ray.remote(num_cpus=0)
+class Recorder:
+    def __init__(self) -> None:
+        self.metrics: dict[str, TrainMetrics] = {}
+
+    def record(self, run: str, values: dict) -> None:
+        self.metrics.setdefault(run, TrainMetrics(run)).record(values)
