@@ -52,7 +52,9 @@ def test_two_workers_learn_and_export_a_model_transformers_loads(ray_cluster, co
     assert (result.checkpoint_dir / "config.yaml").read_text().count("num_workers: 2") == 1
     # Rank 0 exported the metrics to Prometheus, tagged with the run.
     (loss_line,) = [line for line in prometheus_lines("ray_gpt2_train_loss") if f'run="{config.run.name}"' in line]
-    assert float(loss_line.rsplit(" ", 1)[1]) == pytest.approx(records[-1]["loss"], rel=1e-5)
+    # One of the reported losses (the exporter samples every few seconds, so not necessarily the last).
+    exported = float(loss_line.rsplit(" ", 1)[1])
+    assert any(exported == pytest.approx(r["loss"], rel=1e-5) for r in records)
     # The profiler wrote TensorBoard traces next to the run.
     assert list((result.run_dir / "profile").glob("*.pt.trace.json*"))
 
