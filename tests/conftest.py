@@ -62,8 +62,9 @@ def tiny_config(corpus: Path, storage: Path, *overrides: str) -> config_lib.Conf
     return config_lib.load(None, [*base, *overrides])
 
 
-def prometheus_lines(metric: str, timeout_s: float = 40.0) -> list[str]:
-    """Sample lines of `metric` on this node's Ray metrics endpoint (export takes ~10 s), [] if none come."""
+def prometheus_lines(metric: str, tag: str = "", timeout_s: float = 40.0) -> list[str]:
+    """Sample lines of `metric` whose labels include `tag` (e.g. 'run="x"') on this node's Ray
+    metrics endpoint, waiting for them (export takes ~10 s); [] if none come."""
     import time
     import urllib.request
 
@@ -73,7 +74,7 @@ def prometheus_lines(metric: str, timeout_s: float = 40.0) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        lines = [line for line in text.splitlines() if line.startswith(metric + "{")]
+        lines = [line for line in text.splitlines() if line.startswith(metric + "{") and tag in line]
         if lines:
             return lines
         time.sleep(1)

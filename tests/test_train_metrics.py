@@ -20,14 +20,15 @@ def test_every_gauge_name_is_one_prometheus_keeps():
 
 
 def test_record_exports_the_reported_keys_and_skips_missing_ones(ray_cluster):
-    # Recorded from an actor, as rank 0 of a training run does (its process exports the metrics).
+    # Recorded from an actor, as rank 0 of a training run does. Other tests' runs export the
+    # same metrics with other run tags, so the wait is for this run's line.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     recorder = Recorder.remote()
     try:
         ray.get(recorder.record.remote("run-a", {"step": 5, "loss": 2.5, "tokens_per_s": 1000.0}))  # no mfu on CPU
-        (line,) = [x for x in prometheus_lines("ray_gpt2_train_tokens_per_second") if 'run="run-a"' in x]
+        (line,) = prometheus_lines("ray_gpt2_train_tokens_per_second", tag='run="run-a"')
         assert line.endswith(" 1000.0")
-        assert not [x for x in prometheus_lines("ray_gpt2_train_mfu", timeout_s=2) if 'run="run-a"' in x]
+        assert not prometheus_lines("ray_gpt2_train_mfu", tag='run="run-a"', timeout_s=2)
     finally:
         ray.kill(recorder)
 

@@ -51,7 +51,7 @@ def test_two_workers_learn_and_export_a_model_transformers_loads(ray_cluster, co
     assert json.loads((result.checkpoint_dir / TRAIN_STATE).read_text())["step"] == 40
     assert (result.checkpoint_dir / "config.yaml").read_text().count("num_workers: 2") == 1
     # Rank 0 exported the metrics to Prometheus, tagged with the run.
-    (loss_line,) = [line for line in prometheus_lines("ray_gpt2_train_loss") if f'run="{config.run.name}"' in line]
+    (loss_line,) = prometheus_lines("ray_gpt2_train_loss", tag=f'run="{config.run.name}"')
     # One of the reported losses (the exporter samples every few seconds, so not necessarily the last).
     exported = float(loss_line.rsplit(" ", 1)[1])
     assert any(exported == pytest.approx(r["loss"], rel=1e-5) for r in records)
