@@ -8,23 +8,15 @@ trace of one variant with a summary of where its time went.
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import logging
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
 import torch
-from torch import nn
 
-from gpt2_platform.bench.train_step import DEFAULT_VARIANTS, Measurement, Variant, build, measure
-from gpt2_platform.config import OptimConfig
-from gpt2_platform.model import GPT2, flops_per_token, preset
-from gpt2_platform.train.parallelize import parallelize
-from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision
-from gpt2_platform.train.throughput import mfu, peak_tflops
+from gpt2_platform.bench.train_step import DEFAULT_VARIANTS, Measurement, Variant, build_step, measure, release, sync
 
 logger = logging.getLogger(__name__)
 
@@ -55,72 +47,6 @@ def select(only: list[str] | None, ladder: list[LadderStep] = LADDER) -> list[La
     return chosen
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _build_step(
-    step: LadderStep, preset_name: str, batch_size: int, seq_len: int, device: torch.device
-) -> tuple[TrainStep, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The same model, wrapping and optimizer as train_step.measure, fed num_micro_batches micro-batches."""
-    variant = step.variant
-    torch.manual_seed(0)
-    model = build(variant, preset_name, device)
-    if isinstance(model, GPT2):
-        train_model: nn.Module = parallelize(model, device, variant.compile_mode, variant.gradient_checkpointing)
-    else:
-        train_model = torch.compile(model) if variant.compile_mode != "off" else model
-    optimizer = build_optimizer(model, OptimConfig(), device)
-    train_step = TrainStep(train_model, optimizer, resolve_precision(variant.precision, device), device, grad_clip=1.0)
-    vocab = preset(preset_name).vocab_size
-    tokens = torch.randint(0, vocab, (step.num_micro_batches, batch_size, seq_len + 1), device=device)
-    return train_step, [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    torch._dynamo.reset()
-
-
-def measure_accumulated(
-    step: LadderStep, preset_name: str, batch_size: int, seq_len: int, num_steps: int, warmup_steps: int, device
-) -> Measurement:
-    """train_step.measure for several micro-batches per optimizer step; tokens/s counts all of them."""
-    train_step, micro_batches = _build_step(step, preset_name, batch_size, seq_len, device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    train_step(micro_batches, lr=1e-4)
-    _sync(device)
-    first_step_s = time.perf_counter() - start
-    for _ in range(warmup_steps):
-        train_step(micro_batches, lr=1e-4)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(num_steps):
-        loss, _ = train_step(micro_batches, lr=1e-4)
-    _sync(device)
-    elapsed = time.perf_counter() - start
-    tokens_per_s = step.num_micro_batches * batch_size * seq_len * num_steps / elapsed
-    result = Measurement(
-        variant=step.name,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        step_ms=1000 * elapsed / num_steps,
-        tokens_per_s=tokens_per_s,
-        mfu=mfu(tokens_per_s, flops_per_token(preset(preset_name), seq_len), peak_tflops(device)),
-        peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        first_step_s=first_step_s,
-        final_loss=loss.item(),
-    )
-    del train_step, micro_batches
-    _release(device)
-    return result
-
-
 def rows_from_measurements(measurements: list[tuple[Measurement, int]]) -> list[dict]:
     """Report rows (Measurement fields + micro-batches + speedup over the first row, the baseline)."""
     assert measurements, "no measurements to report"
@@ -141,10 +67,9 @@ def build_rows(
     measurements = []
     for step in ladder:
         logger.info("measuring %s", step.name)
-        if step.num_micro_batches == 1:
-            result = measure(step.variant, preset_name, batch_size, seq_len, num_steps, warmup_steps, device)
-        else:
-            result = measure_accumulated(step, preset_name, batch_size, seq_len, num_steps, warmup_steps, device)
+        result = measure(
+            step.variant, preset_name, batch_size, seq_len, num_steps, warmup_steps, device, step.num_micro_batches
+        )
         logger.info("%s: %.0f tokens/s", step.name, result.tokens_per_s)
         measurements.append((result, step.num_micro_batches))
     return rows_from_measurements(measurements)
@@ -278,9 +203,11 @@ def profile_summary(
     """Profile num_steps steps of one variant into a TensorBoard trace; top ops and GPU idle fraction."""
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-    train_step, micro_batches = _build_step(step, preset_name, batch_size, seq_len, device)
+    train_step, micro_batches = build_step(
+        step.variant, preset_name, batch_size, seq_len, device, step.num_micro_batches
+    )
     train_step(micro_batches, lr=1e-4)  # compile and allocate outside the profiled window
-    _sync(device)
+    sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     trace_dir.mkdir(parents=True, exist_ok=True)
     with profile(
@@ -290,7 +217,7 @@ def profile_summary(
     ) as profiler:
         for _ in range(1 + num_steps):
             train_step(micro_batches, lr=1e-4)
-            _sync(device)
+            sync(device)
             profiler.step()
     on_gpu = device.type == "cuda"
     sort_key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
@@ -305,7 +232,7 @@ def profile_summary(
         wall_us = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
         idle_fraction = 1.0 - _merged_busy_us(kernels) / wall_us if kernels and wall_us > 0 else None
     del train_step, micro_batches
-    _release(device)
+    release(device)
     return {
         "variant": step.name,
         "time_column": "self device time" if on_gpu else "self CPU time",

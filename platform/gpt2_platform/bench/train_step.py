@@ -84,6 +84,36 @@ def build(variant: Variant, preset_name: str, device: torch.device) -> nn.Module
     raise ValueError(f"unknown implementation {variant.implementation!r}")
 
 
+def build_step(
+    variant: Variant, preset_name: str, batch_size: int, seq_len: int, device: torch.device, num_micro_batches: int = 1
+) -> tuple[TrainStep, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The variant's model, wrapping and optimizer as a TrainStep, and a fixed random batch of micro-batches."""
+    torch.manual_seed(0)
+    model = build(variant, preset_name, device)
+    if isinstance(model, GPT2):
+        train_model: nn.Module = parallelize(model, device, variant.compile_mode, variant.gradient_checkpointing)
+    else:
+        train_model = torch.compile(model) if variant.compile_mode != "off" else model
+    optimizer = build_optimizer(model, OptimConfig(), device)
+    step = TrainStep(train_model, optimizer, resolve_precision(variant.precision, device), device, grad_clip=1.0)
+    vocab = preset(preset_name).vocab_size
+    tokens = torch.randint(0, vocab, (num_micro_batches, batch_size, seq_len + 1), device=device)
+    return step, [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release(device: torch.device) -> None:
+    """Free what a measured variant left behind, so the next one starts from the same state."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
 def measure(
     variant: Variant,
     preset_name: str,
@@ -92,42 +122,29 @@ def measure(
     num_steps: int,
     warmup_steps: int,
     device: torch.device,
+    num_micro_batches: int = 1,
 ) -> Measurement:
-    """Build, warm up (compiling if asked), then time num_steps optimizer steps."""
-    torch.manual_seed(0)
-    model = build(variant, preset_name, device)
-    train_model = (
-        parallelize(model, device, variant.compile_mode, variant.gradient_checkpointing)
-        if isinstance(model, GPT2)
-        else model
-    )
-    if variant.compile_mode != "off" and not isinstance(model, GPT2):
-        train_model = torch.compile(model)
-    optimizer = build_optimizer(model, OptimConfig(), device)
-    step = TrainStep(train_model, optimizer, resolve_precision(variant.precision, device), device, grad_clip=1.0)
-    vocab = preset(preset_name).vocab_size
-    tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), device=device)
-    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    """Build, warm up (compiling if asked), then time num_steps optimizer steps.
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+    With num_micro_batches > 1 each step accumulates that many micro-batches of
+    batch_size; tokens/s counts all of them.
+    """
+    step, batch = build_step(variant, preset_name, batch_size, seq_len, device, num_micro_batches)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     step(batch, lr=1e-4)
-    sync()
+    sync(device)
     first_step_s = time.perf_counter() - start
     for _ in range(warmup_steps):
         step(batch, lr=1e-4)
-    sync()
+    sync(device)
     start = time.perf_counter()
     for _ in range(num_steps):
         loss, _ = step(batch, lr=1e-4)
-    sync()
+    sync(device)
     elapsed = time.perf_counter() - start
-    tokens_per_s = batch_size * seq_len * num_steps / elapsed
+    tokens_per_s = num_micro_batches * batch_size * seq_len * num_steps / elapsed
     result = Measurement(
         variant=variant.name,
         batch_size=batch_size,
@@ -139,11 +156,8 @@ def measure(
         first_step_s=first_step_s,
         final_loss=loss.item(),
     )
-    del model, train_model, optimizer, step
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    torch._dynamo.reset()
+    del step, batch
+    release(device)
     return result
 
 
