@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -144,6 +145,33 @@ def test_eos_ends_a_request_unless_ignored(model, tokenizer):
         assert stopped.finish_reason == "stop" and stopped.text == "" and stopped.completion_tokens == 1
         (ignored,) = engine.generate([prompt], greedy(10))
         assert ignored.finish_reason == "length" and ignored.completion_tokens == 10
+    finally:
+        engine.shutdown()
+
+
+def test_the_compile_option_reaches_the_decode_step(model, tokenizer):
+    plain = Engine(model, tokenizer, EngineConfig(max_batch_size=2, max_seq_len=64, dtype="fp32"))
+    compiled = Engine(model, tokenizer, EngineConfig(max_batch_size=2, max_seq_len=64, dtype="fp32", compile=True))
+    assert plain.runner.step == plain.runner._decode_step
+    assert compiled.runner.step != compiled.runner._decode_step  # torch.compile's wrapper, compiled on first use
+
+
+def test_ids_past_the_tokenizer_are_never_sampled_from_a_padded_vocabulary(tokenizer):
+    # A vocabulary padded past the tokenizer (as 50304 pads 50257), with the padding ids made the likeliest.
+    torch.manual_seed(0)
+    config = dataclasses.replace(preset("tiny"), vocab_size=len(tokenizer) + 43)
+    padded = GPT2(config).eval()
+    with torch.no_grad():
+        padded.transformer.ln_f.weight.zero_()
+        padded.transformer.ln_f.bias.copy_(torch.randn(config.n_embd))
+        padded.transformer.wte.weight[len(tokenizer) :] = 10 * padded.transformer.ln_f.bias
+    engine = Engine(padded, tokenizer, EngineConfig(max_batch_size=2, max_seq_len=64, dtype="fp32")).start()
+    try:
+        prompt = tokenizer("alice")["input_ids"]
+        sampled = GenerationParams(max_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=3))
+        for completion in engine.generate([prompt, prompt], [greedy(12), sampled]):
+            assert completion.completion_tokens == 12
+            assert max(completion.token_ids) < len(tokenizer), completion.token_ids
     finally:
         engine.shutdown()
 

@@ -139,7 +139,16 @@ class Engine:
             resolve_dtype(config.dtype, device),
             device,
             config.cuda_graphs,
+            compile_step=config.compile,
+            vocab_limit=len(tokenizer),
         )
+        if self.runner.vocab_limit < model.config.vocab_size:
+            logger.info(
+                "sampling only ids below %d: the tokenizer has %d tokens, the model %d",
+                self.runner.vocab_limit,
+                len(tokenizer),
+                model.config.vocab_size,
+            )
         self._ids = itertools.count(1)
         self._waiting: deque[_Sequence] = deque()
         self._cancelled: set[int] = set()

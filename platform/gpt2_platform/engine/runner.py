@@ -47,8 +47,12 @@ class ModelRunner:
         device: torch.device,
         cuda_graphs: bool,
         compile_step: bool = False,
+        vocab_limit: int | None = None,
     ) -> None:
         self.model = model.to(device=device, dtype=dtype).eval()
+        # Ids at or past the limit are never sampled: a model's vocabulary is often padded past its
+        # tokenizer's (50304 for 50257), and those ids decode to nothing.
+        self.vocab_limit = min(vocab_limit or model.config.vocab_size, model.config.vocab_size)
         self.device = device
         self.cache = KVCache(model.config, num_slots, max_seq_len, dtype, device)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
@@ -71,7 +75,12 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Compiled with dynamic shapes, the step fuses its small kernels (layer norms, GELU,
         # residuals) once for every bucket; the graphs are then captured around the fused step.
-        self.step = torch.compile(self._decode_step, dynamic=True) if compile_step else self._decode_step
+        self.step = self._decode_step
+        if compile_step:
+            # One compiled variant per sampling mode, and batch 1 is specialised: past dynamo's
+            # default limit of 8 it would quietly fall back to eager for the rest.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+            self.step = torch.compile(self._decode_step, dynamic=True)
 
     def set_sampling(self, slot: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
         """A new sequence's sampling parameters, kept on the device for every later step."""
@@ -99,7 +108,7 @@ class ModelRunner:
         view = self.cache.prefill(slot_ids, positions)
         logits, _ = self.model(tokens, positions=positions, cache=view, logits_at=last)  # (B, vocab)
         first = sample(
-            logits,
+            logits[:, : self.vocab_limit],
             self.temperature[slot_ids],
             self.top_k[slot_ids],
             self.top_p[slot_ids],
@@ -119,6 +128,7 @@ class ModelRunner:
         positions = self.positions[:batch]
         view = self.cache.decode(positions, span)
         logits, _ = self.model(self.tokens[:batch, None], positions=positions[:, None], cache=view)
+        logits = logits[:, :, : self.vocab_limit]
         if mode == "greedy":
             # The same argmax `sample` takes for temperature-0 rows, without its sort and noise.
             return torch.argmax(logits[:, -1].float(), dim=-1)
