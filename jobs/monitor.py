@@ -2,6 +2,7 @@
 
     python jobs/monitor.py start [--interval-s 5]   # one exporter actor per node (idempotent)
     python jobs/monitor.py status [--json]          # a fresh per-node, per-GPU table
+    python jobs/monitor.py stop                     # stop every exporter
 
 Connects to RAY_ADDRESS when set, else starts an embedded local Ray. A node
 without NVIDIA GPUs is reported plainly ("no NVIDIA GPU on node X (reason)"),
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--interval-s", type=float, default=5.0, help="seconds between samples (default 5)")
     status = commands.add_parser("status", help="print a fresh per-node, per-GPU table")
     status.add_argument("--json", action="store_true", help="print the samples as JSON instead")
+    commands.add_parser("stop", help="stop the exporters on every node")
     args = parser.parse_args(argv)
 
     def run() -> None:
@@ -48,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"GPU exporters running on {len(handles)} node(s) (namespace {exporter.NAMESPACE}), every {args.interval_s:g} s"
             )
+            return
+        if args.command == "stop":
+            print(f"stopped {exporter.stop_exporters()} GPU exporter(s)")
             return
         samples = exporter.collect_samples()
         if args.json:

@@ -224,6 +224,13 @@ def test_exporters_on_real_ray(ray_cluster: None, capsys: pytest.CaptureFixture[
         assert "no NVIDIA GPU on node" in out, out
         assert monitor_main(["status", "--json"]) == 0
         assert '"available": false' in capsys.readouterr().out
+
+        assert exporter.exporter_names() == [exporter.actor_name(ray.get_runtime_context().get_node_id())]
+        assert monitor_main(["stop"]) == 0
+        assert "stopped 1 GPU exporter(s)" in capsys.readouterr().out
+        assert exporter.exporter_names() == []
+        assert monitor_main(["stop"]) == 0
+        assert "stopped 0 GPU exporter(s)" in capsys.readouterr().out
     finally:
         for handle in first:
             ray.kill(handle)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import prometheus_lines, tiny_config
+from gpt2_platform.monitoring import exporter
 from gpt2_platform.train.loop import HISTORY, OPTIMIZER_STATE, TRAIN_STATE
 from gpt2_platform.train.trainer import fit
 
@@ -37,8 +38,11 @@ def test_two_workers_learn_and_export_a_model_transformers_loads(ray_cluster, co
         "train.max_steps=40",
         "train.profile=true",
         "train.profile_steps=[2,3]",
+        "run.gpu_monitor=true",
     )
     result = fit(config)
+    # Asked for, the GPU exporters started with the run (they report "no GPU" here); stop them for other tests.
+    assert exporter.stop_exporters() == 1
 
     records = [r for r in history(result.run_dir) if "loss" in r]
     assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30, 35, 40]

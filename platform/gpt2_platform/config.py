@@ -187,6 +187,8 @@ class RunConfig:
     """Run name; resubmitting the same name and storage_path resumes the run."""
     storage_path: str = "runs"
     """Where checkpoints and the final model go (shared storage on a multi-node cluster)."""
+    gpu_monitor: bool | None = None
+    """Start the per-node GPU exporters (as `jobs/monitor.py start` does) with the run; null: if the cluster has GPUs."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

@@ -201,6 +201,46 @@ def start_exporters(interval_s: float = 5.0, detached: bool = True) -> list[ray.
     return handles
 
 
+def start_if_wanted(setting: bool | None, interval_s: float = 5.0) -> bool:
+    """What training and serving call: start the exporters if `setting`, or, for None, if the cluster has GPUs.
+
+    Never raises: a monitor must not take its host job down.
+    """
+    try:
+        if setting is False or (setting is None and not ray.cluster_resources().get("GPU")):
+            return False
+        start_exporters(interval_s=interval_s)
+        return True
+    except Exception as error:
+        logger.warning("could not start the GPU exporters (%r); the job goes on without them", error)
+        return False
+
+
+def exporter_names() -> list[str]:
+    """Names of the running exporters, on any node (including nodes that have since died)."""
+    return sorted(
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == NAMESPACE and actor["name"].startswith(ACTOR_NAME_PREFIX)
+    )
+
+
+def stop_exporters(timeout_s: float = 10.0) -> int:
+    """Stop every exporter (its sampling thread, then the actor); returns how many were running."""
+    names = exporter_names()
+    for name in names:
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:  # stopped meanwhile
+            continue
+        try:
+            ray.get(handle.stop.remote(), timeout=timeout_s)
+        except Exception as error:  # a dead or stuck exporter is killed all the same
+            logger.warning("exporter %s did not stop cleanly (%r); killing it", name, error)
+        ray.kill(handle)
+    return len(names)
+
+
 def collect_samples(timeout_s: float = 30.0) -> list[NodeSample]:
     """A fresh sample from every alive node: from its exporter, else from a one-shot task pinned there."""
     pending = []

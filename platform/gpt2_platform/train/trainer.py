@@ -15,6 +15,7 @@ from ray.train.torch import TorchTrainer
 from gpt2_platform import checkpoint as ckpt
 from gpt2_platform.config import Config, ConfigError, dump
 from gpt2_platform.loading import model_config
+from gpt2_platform.monitoring import exporter
 from gpt2_platform.runtime import init_ray
 from gpt2_platform.tokenizer import load_tokenizer
 from gpt2_platform.train.data import TOKENS_COLUMN, Datasets, build_datasets, files_by_format
@@ -92,6 +93,7 @@ def fit(config: Config) -> TrainResult:
     """Train as configured (resuming the run of the same name), export and return where things are."""
     validate(config)
     init_ray()
+    exporter.start_if_wanted(config.run.gpu_monitor)
     run_dir = run_dir_of(config)
     tc, scaling = config.train, config.scaling
     datasets = build_datasets(
