@@ -40,8 +40,17 @@ LADDER = [LadderStep(v) for v in DEFAULT_VARIANTS] + [ACCUMULATION]
 
 
 def select(only: list[str] | None, ladder: list[LadderStep] = LADDER) -> list[LadderStep]:
-    """The ladder steps whose name contains any of `only` (all of them when `only` is empty)."""
-    chosen = [s for s in ladder if not only or any(o in s.name for o in only)]
+    """The ladder steps named by `only` (all of them when it is empty), in ladder order.
+
+    Each entry matches a step's exact name, or else every step whose name contains it.
+    """
+
+    def matches(pattern: str) -> set[str]:
+        exact = {s.name for s in ladder if s.name == pattern}
+        return exact or {s.name for s in ladder if pattern in s.name}
+
+    wanted = set().union(*(matches(o) for o in only)) if only else {s.name for s in ladder}
+    chosen = [s for s in ladder if s.name in wanted]
     if not chosen:
         raise ValueError(f"--only {only} matches no variant; choose from: {[s.name for s in ladder]}")
     return chosen

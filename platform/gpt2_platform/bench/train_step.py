@@ -37,6 +37,7 @@ class Variant:
 DEFAULT_VARIANTS = [
     Variant("hf fp32 eager (baseline)", "hf-eager", "fp32"),
     Variant("ours fp32", "ours", "fp32"),
+    Variant("ours fp32 + compile", "ours", "fp32", "default"),
     Variant("ours bf16", "ours", "bf16"),
     Variant("ours bf16 + compile", "ours", "bf16", "default"),
     Variant("ours fp16 + GradScaler + compile", "ours", "fp16", "default"),
