@@ -1,0 +1,86 @@
+"""Start, inspect and stop a local Ray head with token authentication and a loopback-only dashboard.
+
+    python jobs/cluster.py start [--num-cpus 8] [--num-gpus 1] [--free-ports]
+    python jobs/cluster.py status [--json]
+    python jobs/cluster.py stop
+
+`start` makes ~/.ray/auth_token if there is none (`ray get-auth-token --generate`), starts
+`ray start --head` with RAY_AUTH_MODE=token and --dashboard-host=127.0.0.1 from this environment (so jobs
+run with its Python), and prints how to submit jobs. `stop` stops only this head (never `ray stop`, which
+stops every Ray on the machine). --state-dir keeps several heads apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+# Run from a checkout without installing: the package lives in platform/.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
+
+from gpt2_platform.jobs_common import run_main  # noqa: E402
+
+logger = logging.getLogger("cluster")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gpt2_platform import local_cluster
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=local_cluster.DEFAULT_STATE_DIR,
+        help="where the head's pid, ports and log live",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    start = commands.add_parser("start", help="start the head and wait until its jobs API answers")
+    start.add_argument("--port", type=int, default=6379, help="GCS port (default 6379)")
+    start.add_argument("--dashboard-port", type=int, default=8265, help="dashboard port (default 8265)")
+    start.add_argument("--free-ports", action="store_true", help="pick free ports for everything (beside another Ray)")
+    start.add_argument("--num-cpus", type=int, help="CPUs to offer (default: all)")
+    start.add_argument("--num-gpus", type=int, help="GPUs to offer (default: all)")
+    start.add_argument("--temp-dir", type=Path, help="Ray's temp dir (default /tmp/ray; keep it short)")
+    start.add_argument("--timeout-s", type=float, default=120, help="how long to wait for the dashboard")
+    status = commands.add_parser("status", help="whether the head runs, and where")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    commands.add_parser("stop", help="stop the head and everything it started")
+    args = parser.parse_args(argv)
+
+    def run() -> None:
+        if args.command == "start":
+            ports = local_cluster.ClusterPorts.free() if args.free_ports else local_cluster.ClusterPorts(
+                gcs=args.port, dashboard=args.dashboard_port
+            )  # fmt: skip
+            state = local_cluster.start(
+                args.state_dir, ports, args.num_cpus, args.num_gpus, args.temp_dir, timeout_s=args.timeout_s
+            )
+            print(f"Ray head running (pid {state.pid}), token auth on, log {state.log_path}")
+            print(f"dashboard: {state.dashboard_url} (127.0.0.1 only; token: `ray get-auth-token`)")
+            print("submit jobs with:")
+            print("  export RAY_AUTH_MODE=token")
+            print(
+                f"  ray job submit --address {state.dashboard_url} --working-dir . -- "
+                "python jobs/train.py --config jobs/configs/tiny.yaml"
+            )
+            print(f"stop it with: python jobs/cluster.py --state-dir {state.state_dir} stop")
+        elif args.command == "status":
+            report = local_cluster.status(args.state_dir)
+            if args.json:
+                print(json.dumps(report, indent=2))
+            elif report["running"]:
+                print(f"running: pid {report['pid']}, dashboard {report['dashboard_url']}, Ray {report['ray_version']}")
+            else:
+                print(f"not running ({report['state_dir']})")
+        else:
+            killed = local_cluster.stop(args.state_dir)
+            print("stopped" + (f"; killed {len(killed)} processes that outlived the head" if killed else ""))
+
+    return run_main(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""A local Ray head with token authentication, started, inspected and stopped by the project itself.
+
+`start` runs `ray start --head --block` in a process group of its own, with RAY_AUTH_MODE=token and the
+dashboard on 127.0.0.1, and waits until the jobs API accepts the token. `stop` signals that group and then
+ends every process that still carries the cluster's marker variable, so it stops this head only, unlike
+`ray stop`, which stops every Ray on the machine. The state (pid, ports, log) lives in `state_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STATE_DIR = Path("~/.gpt2-platform/cluster")
+STATE_FILE = "cluster.json"
+LOG_FILE = "head.log"
+# Every process the head starts inherits it; Ray workers rename themselves, so command lines are not enough.
+MARKER_VAR = "GPT2_PLATFORM_CLUSTER"
+# What `ray start --block` prints once everything has started and it waits for a signal.
+BLOCKING_MESSAGE = "will now block forever"
+
+
+@dataclass
+class ClusterPorts:
+    """The head's ports; None lets Ray choose (it picks free ones for all but gcs and dashboard)."""
+
+    gcs: int = 6379
+    dashboard: int = 8265
+    client_server: int | None = None
+    node_manager: int | None = None
+    object_manager: int | None = None
+    metrics_export: int | None = None
+    dashboard_agent_listen: int | None = None
+    dashboard_agent_grpc: int | None = None
+    runtime_env_agent: int | None = None
+
+    @classmethod
+    def free(cls) -> ClusterPorts:
+        """Every port one that nothing listens on now: a head beside any other Ray on this machine."""
+        return cls(*free_ports(len(fields(cls))))
+
+    def flags(self) -> list[str]:
+        names = {"gcs": "port", "client_server": "ray-client-server-port"}
+        flags = []
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                flag = names.get(field.name, field.name.replace("_", "-") + "-port")
+                flags.append(f"--{flag}={value}")
+        return flags
+
+
+@dataclass
+class ClusterState:
+    """What `start` records for `status` and `stop`."""
+
+    pid: int
+    """The `ray start --block` process; also its process group."""
+    dashboard_url: str
+    gcs_address: str
+    state_dir: str
+    temp_dir: str | None
+    home: str
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.state_dir) / LOG_FILE
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports that nothing is bound to right now."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def ray_cli() -> str:
+    """The `ray` of this interpreter's environment (so the head runs the Ray this package pins)."""
+    beside = Path(sys.executable).parent / "ray"
+    found = str(beside) if beside.exists() else shutil.which("ray")
+    if found is None:
+        raise FileNotFoundError(
+            "no `ray` command beside this Python or on PATH; install the project (pip install -e .)"
+        )
+    return found
+
+
+def cluster_env(state_dir: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The head's environment: `base` with token auth on, this venv first on PATH, and the marker."""
+    env = dict(os.environ if base is None else base)
+    env.pop("RAY_ADDRESS", None)  # a head starts a cluster; it joins none
+    env.update(
+        RAY_AUTH_MODE="token",
+        # A job's `python` is whatever the raylet's PATH finds: make it this environment's.
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        # Skip the drain on SIGTERM: it waits for a GCS that the same group signal is stopping (30 s).
+        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+        **{MARKER_VAR: str(state_dir)},
+    )
+    return env
+
+
+def auth_token(env: Mapping[str, str], generate: bool = True) -> str:
+    """The token this environment's Ray uses (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), with
+    `generate` made into ~/.ray/auth_token when there is none: `ray start --head` refuses to start without one."""
+    command = [ray_cli(), "get-auth-token", *(["--generate"] if generate else [])]
+    done = subprocess.run(command, env=dict(env), capture_output=True, text=True, timeout=60)
+    if done.returncode != 0 or not done.stdout.strip():
+        raise RuntimeError(f"`{' '.join(command[1:])}` failed: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def read_state(state_dir: Path) -> ClusterState | None:
+    path = state_dir.expanduser() / STATE_FILE
+    return ClusterState(**json.loads(path.read_text())) if path.exists() else None
+
+
+def is_running(state: ClusterState | None) -> bool:
+    if state is None:
+        return False
+    try:
+        os.kill(state.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, but someone else's: a recycled pid
+        return False
+    return True
+
+
+def get(url: str, token: str | None, timeout_s: float = 10) -> tuple[int, str]:
+    """GET `url` as (status, body), with `token` as a bearer token unless None."""
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
+
+
+def start(
+    state_dir: Path = DEFAULT_STATE_DIR,
+    ports: ClusterPorts | None = None,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    temp_dir: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 120,
+) -> ClusterState:
+    """Start a token-authenticated head whose dashboard listens on 127.0.0.1; return once its jobs API answers."""
+    state_dir = state_dir.expanduser().resolve()
+    previous = read_state(state_dir)
+    if is_running(previous):
+        raise ValueError(f"a cluster from {state_dir} is already running (pid {previous.pid}); stop it first")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    ports = ports or ClusterPorts()
+    head_env = cluster_env(state_dir, env)
+    token = auth_token(head_env)
+    command = [ray_cli(), "start", "--head", "--block", "--disable-usage-stats", "--dashboard-host=127.0.0.1"]
+    command += ports.flags() + ["--include-dashboard=true"]
+    command += [f"--num-cpus={num_cpus}"] if num_cpus is not None else []
+    command += [f"--num-gpus={num_gpus}"] if num_gpus is not None else []
+    command += [f"--temp-dir={temp_dir}"] if temp_dir is not None else []
+    state = ClusterState(
+        pid=0,
+        dashboard_url=f"http://127.0.0.1:{ports.dashboard}",
+        gcs_address=f"127.0.0.1:{ports.gcs}",
+        state_dir=str(state_dir),
+        temp_dir=str(temp_dir) if temp_dir is not None else None,
+        home=head_env.get("HOME", str(Path.home())),
+    )
+    with open(state.log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, env=head_env, cwd=state_dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    state.pid = process.pid
+    (state_dir / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+    try:
+        _wait_until_ready(state, process, token, timeout_s)
+    except BaseException:
+        stop(state_dir)
+        raise
+    logger.info("Ray head %s started, dashboard %s", state.pid, state.dashboard_url)
+    return state
+
+
+def _wait_until_ready(state: ClusterState, process: subprocess.Popen, token: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        output = state.log_path.read_text(errors="replace")
+        if process.poll() is not None:
+            raise RuntimeError(f"`ray start --head` exited with {process.returncode}:\n{output[-4000:]}")
+        try:
+            status, body = get(state.dashboard_url + "/api/jobs/", token)
+            last = f"HTTP {status}: {body[:200]}"
+        except OSError as error:  # not listening yet
+            status, last = None, repr(error)
+        # Until it blocks, `ray start` is still in calls that delay its SIGTERM handler.
+        if status == 200 and BLOCKING_MESSAGE in output:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the dashboard did not answer within {timeout_s:.0f} s ({last}); see {state.log_path}")
+
+
+def processes_marked(marker: str) -> dict[int, str]:
+    """PID -> command line of every process whose environment carries MARKER_VAR=`marker`."""
+    tagged = f"{MARKER_VAR}={marker}".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if tagged in environ.split(b"\0"):
+            found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace").strip()
+    return found
+
+
+def stop(state_dir: Path = DEFAULT_STATE_DIR, grace_s: float = 20) -> dict[int, str]:
+    """Stop the head started from `state_dir` and all it started; return the processes that outlived
+    `grace_s` and were killed. A no-op ({}) when none is recorded."""
+    state_dir = state_dir.expanduser().resolve()
+    state = read_state(state_dir)
+    if state is None:
+        return {}
+    if is_running(state):
+        _signal_group(state.pid, signal.SIGTERM)
+        if not _wait_for_exit(state.pid, grace_s):
+            _signal_group(state.pid, signal.SIGKILL)
+            _wait_for_exit(state.pid, 10)
+    # Workers live in process groups of their own and exit once they lose their raylet.
+    deadline = time.monotonic() + grace_s
+    while (left := processes_marked(str(state_dir))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    (state_dir / STATE_FILE).unlink(missing_ok=True)
+    if left:
+        logger.warning("killed %d Ray processes that outlived the head: %s", len(left), sorted(left))
+    return left
+
+
+def _wait_for_exit(pid: int, timeout_s: float) -> bool:
+    """Wait for `pid` to exit (reaping it when it is our child); True once it has."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:  # not our child: poll for it instead
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def status(state_dir: Path = DEFAULT_STATE_DIR) -> dict[str, object]:
+    """Whether the head of `state_dir` runs, where, and the Ray version its dashboard reports (with the token)."""
+    state = read_state(state_dir.expanduser().resolve())
+    if not is_running(state):
+        return {"running": False, "state_dir": str(state_dir)}
+    env = cluster_env(Path(state.state_dir), {**os.environ, "HOME": state.home})
+    report: dict[str, object] = {"running": True, **asdict(state)}
+    try:
+        code, body = get(state.dashboard_url + "/api/version", auth_token(env, generate=False))
+        report["ray_version"] = json.loads(body).get("ray_version") if code == 200 else f"HTTP {code}"
+    except (OSError, RuntimeError) as error:
+        report["ray_version"] = f"dashboard not answering: {error}"
+    return report
