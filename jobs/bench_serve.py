@@ -2,13 +2,15 @@
 
     serve run deployments/gpt2.yaml &                         # or any URL serving /v1/completions
     python jobs/bench_serve.py --url http://127.0.0.1:8000 --concurrency 1 4 16 64 --json-out serve.json
+    python jobs/bench_serve.py --start-preset gpt2 --concurrency 1 16 64 256   # starts its own app on the local Ray
 
 Each level keeps `concurrency` streaming requests in flight until `--requests`
 have finished. Every request has the same prompt length (token ids, so the
 length is exact whatever the tokenizer) and generates exactly `--max-tokens`
 tokens (ignore_eos). Reported per level: requests/s, generated tokens/s, time to
 first token (first streamed chunk) p50/p99, time per output token after the
-first p50/p99, and how many requests failed (429s included). Needs only httpx.
+first p50/p99, and how many requests failed (429s included). Against --url it
+needs only httpx; --start-preset needs the package and Ray.
 """
 
 from __future__ import annotations
@@ -163,6 +165,9 @@ async def sweep(args: argparse.Namespace) -> tuple[str, list[LevelResult]]:
             num_requests = args.requests or max(8, 4 * concurrency)
             levels.append(await run_level(client, base_body, concurrency, num_requests, args.prompt_tokens))
             print(as_markdown(levels[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+        stats = await client.get("/v1/engine/stats")  # how the replica actually batched (our app only)
+        if stats.status_code == 200:
+            print(f"engine stats: {stats.json()}", file=sys.stderr, flush=True)
     return model, levels
 
 
@@ -177,13 +182,31 @@ def main() -> int:
     parser.add_argument("--api-key", default=os.environ.get("GPT2_API_KEY"), help="default: $GPT2_API_KEY")
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--json-out", type=Path)
+    started = parser.add_argument_group("a local app started by this script (fresh weights, byte tokenizer)")
+    started.add_argument("--start-preset", help="e.g. gpt2: deploy this preset first, on a GPU if there is one")
+    started.add_argument("--max-batch-size", type=int, default=256)
+    started.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
     args = parser.parse_args()
-    model, levels = asyncio.run(sweep(args))
+    app = None
+    if args.start_preset:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
+        from gpt2_platform.bench import serve_app
+
+        port = int(args.url.rsplit(":", 1)[1].split("/")[0])
+        model_dir = Path("runs") / f"bench-serve-{args.start_preset}"
+        max_seq_len = args.prompt_tokens + args.max_tokens
+        app = serve_app.start(args.start_preset, model_dir, port, args.max_batch_size, max_seq_len, args.compile)
+        print(f"replica ready in {app['replica_ready_s']:.1f} s on {app['num_gpus']} GPU(s)", flush=True)
+    try:
+        model, levels = asyncio.run(sweep(args))
+    finally:
+        if app is not None:
+            serve_app.stop()
     print(f"{model} at {args.url}: {args.prompt_tokens} prompt + {args.max_tokens} generated tokens per request")
     print(as_markdown(levels))
     if args.json_out:
         config = {k: v for k, v in vars(args).items() if k not in ("api_key", "json_out")}
-        report = {"model": model, "config": config, "levels": [asdict(level) for level in levels]}
+        report = {"model": model, "config": config, "app": app, "levels": [asdict(level) for level in levels]}
         args.json_out.write_text(json.dumps(report, indent=2, default=str))
     return 0
 

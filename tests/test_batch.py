@@ -107,7 +107,10 @@ def read_output(directory: Path) -> dict[str, dict]:
 def reference(ray_cluster, prompts: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """One complete run over all rows: (summary, rows by id)."""
     output = tmp_path_factory.mktemp("reference") / "out"
-    summary = run_generation(load(None, overrides(prompts, output, model_dir)))
+    # One batch at a time per actor: the plainest schedule, which the other runs must match.
+    summary = run_generation(
+        load(None, overrides(prompts, output, model_dir, "scaling.concurrent_batches_per_actor=1"))
+    )
     return summary, read_output(output)
 
 
@@ -149,7 +152,7 @@ def test_thousands_of_rows_end_to_end_with_error_rows_counted(reference, prompts
     assert list(pq.read_schema(part_files(Path(summary["output"]))[0]).names) == list(OUTPUT_COLUMNS)
 
 
-def test_same_completions_whatever_the_batch_size_and_number_of_actors(
+def test_same_completions_whatever_the_batch_size_number_of_actors_and_batches_in_flight(
     reference, prompts: Path, model_dir: Path, tmp_path: Path
 ):
     _, expected = reference
@@ -161,7 +164,13 @@ def test_same_completions_whatever_the_batch_size_and_number_of_actors(
         load(
             None,
             overrides(
-                small, output, model_dir, "scaling.num_actors=2", "scaling.batch_size=37", "engine.max_batch_size=5"
+                small,
+                output,
+                model_dir,
+                "scaling.num_actors=2",
+                "scaling.batch_size=37",
+                "scaling.concurrent_batches_per_actor=3",
+                "engine.max_batch_size=5",
             ),
         )
     )

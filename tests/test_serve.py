@@ -25,6 +25,7 @@ import yaml
 from gpt2_platform import checkpoint, demo_data
 from gpt2_platform.config import OptimConfig
 from gpt2_platform.model import GPT2, preset
+from gpt2_platform.monitoring import exporter
 from gpt2_platform.tokenizer import byte_tokenizer
 from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision
 
@@ -463,7 +464,14 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(base_url, mo
         "downscale_delay_s": 2,
         "look_back_period_s": 2,
     }
-    args = {"model": str(model_dir), "dtype": "fp32", "max_batch_size": 2, "limits": {"max_waiting": 8}}
+    # gpu_monitor: the replicas start the GPU exporters themselves (here they report "no GPU").
+    args = {
+        "model": str(model_dir),
+        "dtype": "fp32",
+        "max_batch_size": 2,
+        "limits": {"max_waiting": 8},
+        "gpu_monitor": True,
+    }
     app = gpt2_deployment(args, autoscaling_config=autoscaling, max_ongoing_requests=8)
     serve.run(app, name="autoscale", route_prefix="/autoscale")
 
@@ -485,5 +493,7 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(base_url, mo
         assert running_replicas() == 1
         assert asyncio.run(scale_up()), "no second replica under load"
         assert wait_until(lambda: running_replicas() == 1, timeout_s=60, interval_s=0.5), "no scale-down"
+        assert len(exporter.exporter_names()) == 1  # one per node, however many replicas started it
     finally:
         serve.delete("autoscale")
+        exporter.stop_exporters()

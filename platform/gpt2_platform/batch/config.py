@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gpt2_platform.config import ConfigError, build, load_tree
+from gpt2_platform.moderation import ModerationConfig
 
 LongPrompts = Literal["reject", "truncate"]
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
@@ -137,6 +138,9 @@ class ScalingConfig:
     """CPUs reserved per actor."""
     batch_size: int = 256
     """Rows per map_batches call, so also at most per output file."""
+    concurrent_batches_per_actor: int = 2
+    """Batches each actor works on at once, all fed to its one engine: the next batch's rows fill the slots
+    that the current batch's finished rows free, instead of the engine draining at the end of each batch."""
 
     def __post_init__(self) -> None:
         if self.num_actors is not None and self.num_actors < 1:
@@ -149,6 +153,10 @@ class ScalingConfig:
             raise ConfigError(f"scaling.num_cpus_per_actor must be > 0, got {self.num_cpus_per_actor}")
         if self.batch_size < 1:
             raise ConfigError(f"scaling.batch_size must be >= 1, got {self.batch_size}")
+        if self.concurrent_batches_per_actor < 1:
+            raise ConfigError(
+                f"scaling.concurrent_batches_per_actor must be >= 1, got {self.concurrent_batches_per_actor}"
+            )
 
 
 @dataclass
@@ -159,6 +167,8 @@ class GenerateConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    moderation: ModerationConfig = field(default_factory=ModerationConfig)
+    """Content checks of prompts and completions (gpt2_platform.moderation); blocked rows get an error."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -26,7 +26,9 @@ import pyarrow.parquet as pq
 
 from gpt2_platform.batch import output as output_lib
 from gpt2_platform.batch.config import GenerateConfig
+from gpt2_platform.batch.rows import MODERATION_KINDS
 from gpt2_platform.batch.worker import PATH_COLUMN, ROW_HASH_COLUMN, GenerateBatch, WorkerSpec
+from gpt2_platform.moderation import Moderator, build_moderator
 
 logger = logging.getLogger(__name__)
 
@@ -124,16 +126,21 @@ def check_input(files: list[InputFile], config: GenerateConfig) -> None:
             )
 
 
-def job_identity(files: list[InputFile], config: GenerateConfig, model: str) -> dict[str, Any]:
+def job_identity(
+    files: list[InputFile], config: GenerateConfig, model: str, moderator: Moderator | None = None
+) -> dict[str, Any]:
     """What the output's rows depend on; resuming into an output made under another identity is refused."""
     generation = asdict(config.generation)
-    return {
+    identity = {
         "input_files": [[os.path.basename(f.path), f.num_rows, f.size_bytes] for f in files],
         "input_columns": asdict(config.input) | {"paths": None},
         "model": model,
         "generation": generation,
         "max_seq_len": config.engine.max_seq_len,
     }
+    if moderator is not None:  # only when on, so outputs written before moderation existed still resume
+        identity["moderation"] = moderator.identity()
+    return identity
 
 
 def plan_actors(config: GenerateConfig) -> tuple[int, float]:
@@ -198,6 +205,8 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
     started = time.perf_counter()
     files = find_input_files(config.input.paths)
     check_input(files, config)
+    # Read the blocklist and import the callable now, on the driver: a mistake stops the job before Ray starts.
+    moderator = build_moderator(config.moderation)
     model_dir = checkpoint.resolve(config.model.path)
     if not (model_dir / checkpoint.CONFIG_NAME).is_file():
         raise InputError(
@@ -207,7 +216,7 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
     model = str(model_dir.resolve()) if Path(config.model.path).expanduser().is_dir() else config.model.path
     num_input_rows = sum(f.num_rows for f in files)
     directory = Path(config.output.path).expanduser().resolve()
-    resumed = output_lib.open_output(directory, job_identity(files, config, model))
+    resumed = output_lib.open_output(directory, job_identity(files, config, model, moderator))
     run_id = new_run_id()
     with exclusive(directory):
         done: set[str] = set()
@@ -219,7 +228,7 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
         if len(done) < num_input_rows:
             init_ray()
             num_actors, gpus_per_actor = plan_actors(config)
-            _generate(config, files, directory, run_id, done, num_actors, gpus_per_actor, model)
+            _generate(config, files, directory, run_id, done, num_actors, gpus_per_actor, model, moderator)
             output_lib.commit_staged(directory, done)
         wall_s = time.perf_counter() - started
         stats = output_lib.output_stats(directory, run_id)
@@ -228,6 +237,8 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
             "output": str(directory),
             "input_rows": num_input_rows,
             **stats,
+            # Also in errors and errors_by_kind: a blocked row is an error row.
+            "moderation_blocked": sum(stats["errors_by_kind"].get(kind, 0) for kind in MODERATION_KINDS),
             "num_actors": num_actors,
             "gpus_per_actor": gpus_per_actor,
             "wall_s": round(wall_s, 3),
@@ -254,6 +265,7 @@ def _generate(
     num_actors: int,
     gpus_per_actor: float,
     model: str,
+    moderator: Moderator | None = None,
 ) -> None:
     import ray
     import ray.data
@@ -267,6 +279,7 @@ def _generate(
         input=config.input,
         generation=config.generation,
         run_id=run_id,
+        moderator=moderator,
     )
     derive_ids = not config.input.id_column
     columns = config.input.columns() + ([PATH_COLUMN, ROW_HASH_COLUMN] if derive_ids else [])
@@ -284,7 +297,12 @@ def _generate(
         dataset = dataset.map_batches(
             GenerateBatch,
             fn_constructor_kwargs={"spec": spec, "done_ids": [ray.put(sorted(done))]},
-            compute=ActorPoolStrategy(size=num_actors),
+            # Several calls at once per actor, on threads: they share the actor's engine, which is thread-safe.
+            compute=ActorPoolStrategy(
+                size=num_actors,
+                max_concurrent_calls_per_actor=config.scaling.concurrent_batches_per_actor,
+                enable_true_multi_threading=True,
+            ),
             batch_size=config.scaling.batch_size,
             batch_format="pyarrow",
             num_cpus=config.scaling.num_cpus_per_actor,

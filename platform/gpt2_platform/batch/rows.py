@@ -1,7 +1,8 @@
 """Per-row logic of batch generation: ids, seeds, validation of a row into an engine request, the output schema.
 
 Pure functions, no Ray: the actor in `worker.py` applies them to each batch.
-A bad row becomes an error row (`error` = "<kind>: <what is wrong>"), never an exception.
+A bad row becomes an error row (`error` = "<kind>: <what is wrong>"), never an exception. A row that
+moderation blocks is one too (kind blocked_prompt or blocked_completion, finish_reason content_filter).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pyarrow as pa
 from gpt2_platform.batch.config import GenerationConfig
 from gpt2_platform.engine.engine import GenerationParams
 from gpt2_platform.engine.sampling import SamplingParams
+from gpt2_platform.moderation import CONTENT_FILTER, Verdict
 
 OUTPUT_SCHEMA = pa.schema(
     [
@@ -36,6 +38,8 @@ OUTPUT_SCHEMA = pa.schema(
     ]
 )
 OUTPUT_COLUMNS = tuple(OUTPUT_SCHEMA.names)
+MODERATION_KINDS = ("blocked_prompt", "blocked_completion")
+"""Error kinds of rows moderation blocked; their finish_reason is content_filter."""
 
 # Ray's read_parquet(include_row_hash=True) gives each row splitmix64(md5(path)[:8] + row index) (Ray 2.60,
 # pinned). splitmix64's finaliser is a bijection, so the row index comes back exactly: derived ids are
@@ -163,6 +167,18 @@ def build_request(
         max_tokens=values.max_tokens, stop=tuple(defaults.stop), ignore_eos=defaults.ignore_eos, sampling=sampling
     )
     return Request(prompt_ids, params, truncated)
+
+
+def blocked_by_moderation(verdict: Verdict) -> RowError:
+    """The error of a row whose prompt or completion moderation blocked: kind blocked_prompt / blocked_completion."""
+    return RowError(f"blocked_{verdict.kind}", f"blocked by moderation: {verdict.reason}")
+
+
+def finish_reason(completion_finish_reason: str | None, error: str | None) -> str:
+    """A row's finish_reason: the engine's if it generated cleanly, content_filter if moderation blocked it."""
+    if error_kind(error) in MODERATION_KINDS:
+        return CONTENT_FILTER
+    return completion_finish_reason if error is None and completion_finish_reason else "error"
 
 
 def error_kind(error: str | None) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,10 +15,13 @@ from gpt2_platform.batch.rows import (
     Request,
     RowError,
     RowValues,
+    blocked_by_moderation,
     build_request,
     derived_id,
+    finish_reason,
     resolve_values,
 )
+from gpt2_platform.moderation import Moderator
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ class WorkerSpec:
     input: InputConfig
     generation: GenerationConfig
     run_id: str
+    moderator: Moderator | None = None  # built on the driver from config.moderation; None: moderation off
 
 
 def _column(batch: pa.Table, name: str | None) -> list:
@@ -70,6 +75,8 @@ class GenerateBatch:
         model = load_pretrained(spec.model, device=device).eval()
         self.tokenizer = load_tokenizer(spec.tokenizer or spec.model)
         self.tokenizer.model_max_length = int(1e12)  # prompts are checked against the context here, not there
+        # Ray Data may run several batches at once on this actor's threads (scaling.concurrent_batches_per_actor).
+        self.tokenizer_lock = threading.Lock()
         self.engine = Engine(model, self.tokenizer, EngineConfig(**spec.engine), device=device).start()
         self.max_seq_len = self.engine.max_seq_len
         logger.info("engine ready on %s (%d ids already done)", device, len(self.done))
@@ -88,7 +95,8 @@ class GenerateBatch:
             strict=True,
         )
         texts = [p if isinstance(p, str) and p else "" for p in prompts]
-        tokenized = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        with self.tokenizer_lock:  # a fast tokenizer is not safe to call from two threads at once
+            tokenized = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
         values: list[RowValues] = []
         requests: list[Request | None] = []
@@ -102,8 +110,11 @@ class GenerateBatch:
                 try:
                     request = build_request(prompt, prompt_ids, row_values, spec.generation, self.max_seq_len)
                     self.engine.validate(request.prompt_ids, request.params)
+                    verdict = spec.moderator.check_prompt(prompt) if spec.moderator is not None else None
+                    if verdict is not None:
+                        raise blocked_by_moderation(verdict)
                 except RowError as row_error:
-                    error = row_error
+                    error, request = row_error, None
                 except ValueError as invalid:  # what the engine refuses (e.g. a token outside the vocabulary)
                     error, request = RowError("invalid_request", str(invalid)), None
             values.append(row_values)
@@ -117,13 +128,17 @@ class GenerateBatch:
             completion = next(completions) if request is not None else None
             if completion is not None and completion.error:
                 error = f"generation_failed: {completion.error}"
+            elif completion is not None and spec.moderator is not None:
+                verdict = spec.moderator.check_completion(completion.text)
+                error = None if verdict is None else str(blocked_by_moderation(verdict))  # the text is withheld
             ok = completion is not None and error is None
+            generated = completion is not None and not completion.error
             rows["id"].append(row_id)
             rows["prompt"].append(prompt)
             rows["completion"].append(completion.text if ok else None)
             rows["prompt_tokens"].append(len(request.prompt_ids) if request else None)
-            rows["completion_tokens"].append(completion.completion_tokens if ok else 0)
-            rows["finish_reason"].append(completion.finish_reason if ok else "error")
+            rows["completion_tokens"].append(completion.completion_tokens if generated else 0)
+            rows["finish_reason"].append(finish_reason(completion.finish_reason if completion else None, error))
             rows["error"].append(error)
             rows["model"].append(spec.model)
             rows["seed"].append(row_values.seed)

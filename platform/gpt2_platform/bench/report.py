@@ -230,7 +230,12 @@ def profile_summary(
             profiler.step()
     on_gpu = device.type == "cuda"
     sort_key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    averages = sorted(profiler.key_averages(), key=lambda e: getattr(e, sort_key), reverse=True)
+    averages = profiler.key_averages()
+    if on_gpu:
+        # Kernels only: the CPU-side ops (aten::mm, ProfilerStep#) also carry the device time of what they
+        # launched, so listing them beside their kernels would count the same time twice.
+        averages = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    averages = sorted(averages, key=lambda e: getattr(e, sort_key), reverse=True)
     top_ops = [{"name": e.key, "self_us": getattr(e, sort_key), "calls": e.count} for e in averages[:10]]
     idle_fraction = None
     if on_gpu:

@@ -30,6 +30,8 @@ from ray.serve import Application
 from gpt2_platform import checkpoint
 from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams
 from gpt2_platform.engine.sampling import SamplingParams
+from gpt2_platform.moderation import CONTENT_FILTER, CompletionGuard, Moderator, Verdict, build_moderator
+from gpt2_platform.monitoring import exporter
 from gpt2_platform.serve import errors, schemas
 from gpt2_platform.serve.errors import APIError, bad_request
 from gpt2_platform.serve.metrics import ServeMetrics
@@ -90,6 +92,10 @@ class _Choices:
         finally:
             self.cancel()
 
+    def cancel_one(self, index: int) -> None:
+        """Free one sequence's slot early (moderation stopped it); its last event still arrives."""
+        self.engine.cancel(self.request_ids[index])
+
     def cancel(self) -> None:
         """Free the slots of unfinished sequences (a client went away, or one sequence failed)."""
         for index in self.unfinished:
@@ -138,8 +144,9 @@ class GPT2Server:
     to the end, so a short request would wait for the longest one in its batch.
     """
 
-    def __init__(self, args: schemas.AppArgs) -> None:
+    def __init__(self, args: schemas.AppArgs, moderator: Moderator | None = None) -> None:
         self.args, self.limits, self.model_name = args, args.limits, args.model_name
+        self.moderator = moderator  # built once by the app builder from args.moderation
         self.api_key = errors.read_api_key(args.api_key_env)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         config = EngineConfig(
@@ -147,12 +154,14 @@ class GPT2Server:
             max_seq_len=args.max_seq_len,
             dtype=args.dtype,
             cuda_graphs=args.cuda_graphs,
+            compile=args.compile,
             max_prefill_tokens=args.max_prefill_tokens,
         )
         # start() warms every batch and span shape (and captures the CUDA graphs) before this
         # constructor returns, so the replica reports healthy only once it serves at full speed.
         self.engine = Engine(checkpoint.load_pretrained(args.model), self.tokenizer, config).start()
         self.metrics = ServeMetrics(self.model_name)
+        exporter.start_if_wanted(args.gpu_monitor)  # idempotent: the first replica starts them, others reuse them
         self.metrics.start_sampling(self.engine.stats)
         self.created = schemas.now_s()
         logger.info("serving %s from %s (%s)", self.model_name, args.model, config)
@@ -228,6 +237,7 @@ class GPT2Server:
         jobs = [_Job(prompt, self._completion_params(body, i)) for prompt in prompts for i in range(body.n)]
         for job in jobs:
             self._validate(job, length_param="max_tokens")
+        await self._check_prompts(body.prompt_list())
         choices = self._admit(jobs)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", schemas.now_s()
         prompt_tokens = sum(len(prompt) for prompt in prompts)
@@ -255,9 +265,13 @@ class GPT2Server:
             )
         job = _Job(prompt, GenerationParams(max_tokens, sampling=self._sampling(temperature=body.temperature)))
         self._validate(job, length_param="max_length")
+        await self._check_prompts([body.prompt])
         outputs, _ = await self._collect(self._admit([job]), 1)
         text = body.prompt + outputs[0]["text"]
-        return JSONResponse({"generated_text": text, "inference_time": time.perf_counter() - started_at})
+        response = {"generated_text": text, "inference_time": time.perf_counter() - started_at}
+        if outputs[0]["finish_reason"] == CONTENT_FILTER:  # the continuation was withheld
+            response["finish_reason"] = CONTENT_FILTER
+        return JSONResponse(response)
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse(schemas.model_list(self.model_name, self.created, self.engine.max_seq_len))
@@ -315,6 +329,26 @@ class GPT2Server:
         except ValueError as error:
             raise bad_request(str(error), "prompt" if "prompt" in str(error) else None) from None
 
+    async def _moderate(self, check: Callable[..., Any], *texts: Any) -> Any:
+        """Run a moderation check; one that calls the user's function runs off the event loop (it may be slow)."""
+        assert self.moderator is not None
+        return await asyncio.to_thread(check, *texts) if self.moderator.calls_user_code else check(*texts)
+
+    async def _check_prompts(self, prompts: list[str | list[int]]) -> None:
+        """400 content_policy_violation for a prompt moderation blocks, before it takes an engine slot."""
+        if self.moderator is None or not self.moderator.checks_prompts:
+            return
+        for index, prompt in enumerate(prompts):
+            # Token-id prompts are checked as the text they spell, so they are no way around the check.
+            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+            verdict: Verdict | None = await self._moderate(self.moderator.check_prompt, text)
+            if verdict is not None:
+                self.metrics.record_moderation_block("prompt")
+                which = "the prompt" if len(prompts) == 1 else f"prompt {index}"
+                raise errors.content_policy_violation(
+                    f"{which} was refused by this server's content policy ({verdict.reason})"
+                )
+
     def _admit(self, jobs: list[_Job]) -> _Choices:
         """Submit the jobs, or refuse with 429 when the engine's waiting line is full.
 
@@ -351,6 +385,11 @@ class GPT2Server:
                     reasons[index] = event.finish_reason
                     completion_tokens += event.completion_tokens
         outputs = [schemas.choice(i, "".join(texts[i]), reasons[i]) for i in range(num_choices)]
+        if self.moderator is not None and self.moderator.checks_completions:
+            for output in outputs:
+                if await self._moderate(self.moderator.check_completion, output["text"]) is not None:
+                    self.metrics.record_moderation_block("completion")
+                    output.update(text="", finish_reason=CONTENT_FILTER)  # withheld, as OpenAI does
         return outputs, completion_tokens
 
     async def _stream(
@@ -362,6 +401,8 @@ class GPT2Server:
         `choices.events()` then cancels the sequences, freeing their slots at the next step.
         """
         completion_tokens = 0
+        guards: dict[int, CompletionGuard] = {}
+        filtered: set[int] = set()
         async with contextlib.aclosing(choices.events()) as events:
             async for index, event in events:
                 if event.finish_reason == "error":
@@ -369,13 +410,35 @@ class GPT2Server:
                     break
                 if event.finished:
                     completion_tokens += event.completion_tokens
-                if event.text or event.finished:
-                    output = schemas.choice(index, event.text, event.finish_reason)
+                if index in filtered:
+                    continue  # moderation stopped it: drop what its sequence sent before the cancel took effect
+                text, finish_reason = await self._moderate_delta(choices, guards, index, event)
+                if finish_reason == CONTENT_FILTER:
+                    filtered.add(index)
+                if text or finish_reason:
+                    output = schemas.choice(index, text, finish_reason)
                     yield _sse(schemas.completion(request_id, created, self.model_name, [output], None))
         if prompt_tokens is not None:
             usage = schemas.usage(prompt_tokens, completion_tokens)
             yield _sse(schemas.completion(request_id, created, self.model_name, [], usage))
         yield _sse("[DONE]")
+
+    async def _moderate_delta(
+        self, choices: _Choices, guards: dict[int, CompletionGuard], index: int, event: Event
+    ) -> tuple[str, str | None]:
+        """A streamed event as moderation lets it out: the text to send now, and the finish reason.
+
+        A blocked choice ends with finish_reason content_filter and its sequence is cancelled, freeing its slot.
+        """
+        if self.moderator is None or not self.moderator.checks_completions:
+            return event.text, event.finish_reason
+        guard = guards.setdefault(index, CompletionGuard(self.moderator))
+        text, verdict = await self._moderate(guard.feed, event.text, event.finished)
+        if verdict is None:
+            return text, event.finish_reason
+        self.metrics.record_moderation_block("completion")
+        choices.cancel_one(index)
+        return "", CONTENT_FILTER
 
 
 def default_max_ongoing_requests(args: schemas.AppArgs) -> int:
@@ -393,7 +456,9 @@ def gpt2_deployment(args: schemas.AppArgs | dict[str, Any], **options: Any) -> A
     args = args.model_copy(update=update)
     options.setdefault("max_ongoing_requests", default_max_ongoing_requests(args))
     options.setdefault("user_config", args.limits.model_dump())
-    return GPT2Server.options(**options).bind(args)
+    # Read the blocklist and import the callable here, once: a mistake stops `serve run` before any replica starts.
+    moderator = build_moderator(args.moderation)
+    return GPT2Server.options(**options).bind(args, moderator)
 
 
 def build_app(args: schemas.AppArgs) -> Application:

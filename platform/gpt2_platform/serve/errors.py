@@ -60,6 +60,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, INVALID_REQUEST, param, code)
 
 
+def content_policy_violation(message: str, param: str = "prompt") -> APIError:
+    """The 400 for input that moderation blocked, with OpenAI's code for it."""
+    return APIError(400, message, INVALID_REQUEST, param, "content_policy_violation")
+
+
 def _field_path(error: dict[str, Any], skip_loc_prefix: tuple[str, ...]) -> list[str]:
     path = [str(part) for part in error.get("loc", ())]
     while path and path[0] in skip_loc_prefix:

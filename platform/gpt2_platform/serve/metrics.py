@@ -1,7 +1,7 @@
 """Serving metrics through `ray.util.metrics`, tagged by model, exported on Ray's Prometheus endpoint.
 
-Per request: time to first token, time per output token, generated tokens and a
-request count by route and status. Per replica, sampled from the engine's own
+Per request: time to first token, time per output token, generated tokens, a
+request count by route and status, and what moderation blocked. Per replica, sampled from the engine's own
 counters once a second: running and waiting sequences, and the mean decode batch
 size over the last interval.
 """
@@ -60,6 +60,11 @@ class ServeMetrics:
             description="Mean sequences per decode step over the last sampling interval.",
             tag_keys=("model",),
         )
+        self.moderation_blocked = metrics.Counter(
+            "gpt2_serve_moderation_blocked",
+            description="Prompts refused and completions withheld by moderation, by kind (prompt, completion).",
+            tag_keys=("model", "kind"),
+        )
         for metric in list(vars(self).values()):  # every attribute so far is a metric
             metric.set_default_tags(tags)
         self._stop = threading.Event()
@@ -68,6 +73,9 @@ class ServeMetrics:
 
     def record_request(self, route: str, status_code: int) -> None:
         self.requests.inc(tags={"route": route, "status": str(status_code)})
+
+    def record_moderation_block(self, kind: str) -> None:
+        self.moderation_blocked.inc(tags={"kind": kind})
 
     def record_first_token(self, seconds: float) -> None:
         self.time_to_first_token_s.observe(seconds)

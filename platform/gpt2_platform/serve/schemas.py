@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gpt2_platform.moderation import ModerationConfig
 from gpt2_platform.serve import errors
 from gpt2_platform.serve.errors import APIError, bad_request
 
@@ -62,6 +63,10 @@ class AppArgs(BaseModel):
     """Weights and KV cache dtype; auto = bf16 on a GPU that has it, else fp32."""
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs (GPU only; ignored on CPU)."""
+    compile: bool = False
+    """torch.compile the decode step (fused kernels) before the graphs are captured; slower start-up."""
+    gpu_monitor: bool | None = None
+    """Start the per-node GPU exporters (`jobs/monitor.py start`) with the app; None: if the cluster has GPUs."""
     max_batch_size: int = Field(32, ge=1)
     """Sequences decoded together per replica (KV cache slots)."""
     max_seq_len: int | None = Field(None, ge=2)
@@ -72,6 +77,8 @@ class AppArgs(BaseModel):
     """Name of an environment variable holding the API key; None: no authentication."""
     limits: ServeLimits = Field(default_factory=ServeLimits)
     """Initial limits; a deployment's `user_config` overrides them live, key by key."""
+    moderation: ModerationConfig = Field(default_factory=ModerationConfig)
+    """Checks of prompts (400) and completions (withheld, finish_reason 'content_filter'); off by default."""
 
     @property
     def model_name(self) -> str:
