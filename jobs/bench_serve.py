@@ -186,6 +186,9 @@ def main() -> int:
     started.add_argument("--start-preset", help="e.g. gpt2: deploy this preset first, on a GPU if there is one")
     started.add_argument("--max-batch-size", type=int, default=256)
     started.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
+    started.add_argument(
+        "--stream-interval-ms", type=float, default=0.0, help="limits.stream_interval_ms (0: every token)"
+    )
     args = parser.parse_args()
     app = None
     if args.start_preset:
@@ -195,7 +198,15 @@ def main() -> int:
         port = int(args.url.rsplit(":", 1)[1].split("/")[0])
         model_dir = Path("runs") / f"bench-serve-{args.start_preset}"
         max_seq_len = args.prompt_tokens + args.max_tokens
-        app = serve_app.start(args.start_preset, model_dir, port, args.max_batch_size, max_seq_len, args.compile)
+        app = serve_app.start(
+            args.start_preset,
+            model_dir,
+            port,
+            args.max_batch_size,
+            max_seq_len,
+            args.compile,
+            stream_interval_ms=args.stream_interval_ms,
+        )
         print(f"replica ready in {app['replica_ready_s']:.1f} s on {app['num_gpus']} GPU(s)", flush=True)
     try:
         model, levels = asyncio.run(sweep(args))

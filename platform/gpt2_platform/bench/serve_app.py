@@ -26,6 +26,7 @@ def start(
     max_seq_len: int,
     compile_step: bool = False,
     gpu_monitor: bool | None = None,
+    stream_interval_ms: float = 0.0,
 ) -> dict[str, Any]:
     """Write the model, start Serve on 127.0.0.1:`port` and deploy one replica; returns what was deployed."""
     import ray
@@ -49,7 +50,11 @@ def start(
         "max_seq_len": max_seq_len,
         "compile": compile_step,
         # Room for the whole sweep: a benchmark measures the engine, not the admission limits.
-        "limits": {"max_waiting": 4 * max_batch_size, "max_tokens_cap": max_seq_len},
+        "limits": {
+            "max_waiting": 4 * max_batch_size,
+            "max_tokens_cap": max_seq_len,
+            "stream_interval_ms": stream_interval_ms,
+        },
     }
     started = time.perf_counter()
     app = gpt2_deployment(

@@ -7,10 +7,12 @@ code runs eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpt2_platform.engine.cache import KVCache
 from gpt2_platform.engine.sampling import sample
@@ -106,7 +108,8 @@ class ModelRunner:
         positions = torch.arange(width, device=self.device).expand(batch, width)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         view = self.cache.prefill(slot_ids, positions)
-        logits, _ = self.model(tokens, positions=positions, cache=view, logits_at=last)  # (B, vocab)
+        with self._prefill_attention():
+            logits, _ = self.model(tokens, positions=positions, cache=view, logits_at=last)  # (B, vocab)
         first = sample(
             logits[:, : self.vocab_limit],
             self.temperature[slot_ids],
@@ -116,6 +119,18 @@ class ModelRunner:
             torch.zeros(batch, dtype=torch.long, device=self.device),
         )
         return first.tolist()
+
+    def _prefill_attention(self) -> contextlib.AbstractContextManager:
+        """On CUDA, keep prefills off cuDNN's attention, which plans anew for every (batch, width) it meets.
+
+        Prefill batches come in any size (whoever is waiting), and each first-seen shape cost hundreds of
+        ms of planning on an H200: requests that joined in a new group size waited for it. Flash attention
+        needs no planning (prefills are plain causal, no mask); decode steps keep SDPA's choice, planned
+        once per captured graph at warm-up.
+        """
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     def _mode(self, active: int) -> str:
         """greedy (argmax only), plain (no top-k/top-p: no sort), or filtered; one graph each."""

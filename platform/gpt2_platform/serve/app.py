@@ -112,6 +112,26 @@ class _Choices:
             self.metrics.record_sequence(event.prompt_tokens, event.completion_tokens, now - first)
 
 
+class ChunkPacer:
+    """When a stream's pending chunks go out: as soon as nothing else waits, at most every `interval_s`.
+
+    The first chunk (time to first token) and the last one are never held back.
+    """
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.interval_s, self.clock = interval_s, clock
+        self.last_sent: float | None = None
+
+    def ready(self, more_waiting: bool, finished: bool) -> bool:
+        if more_waiting and not finished:
+            return False
+        now = self.clock()
+        if finished or self.last_sent is None or now - self.last_sent >= self.interval_s:
+            self.last_sent = now
+            return True
+        return False
+
+
 def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -397,16 +417,23 @@ class GPT2Server:
     ) -> AsyncIterator[str]:
         """SSE chunks, one per text delta or finish, then the usage (if asked for) and [DONE].
 
+        Chunks go out as soon as no further event is waiting (and, with limits.stream_interval_ms,
+        at most that often); the ones that piled up meanwhile go out together, in one body message.
+        Every message is an object that Serve sends on to the proxy, and one per token per request
+        costs more host time than the decode step that made the token.
+
         A client that disconnects makes Serve cancel this generator; closing
         `choices.events()` then cancels the sequences, freeing their slots at the next step.
         """
         completion_tokens = 0
         guards: dict[int, CompletionGuard] = {}
         filtered: set[int] = set()
+        pending: list[str] = []
+        pacer = ChunkPacer(self.limits.stream_interval_ms / 1000)
         async with contextlib.aclosing(choices.events()) as events:
             async for index, event in events:
                 if event.finish_reason == "error":
-                    yield _sse(_engine_failed(event).body())
+                    pending.append(_sse(_engine_failed(event).body()))
                     break
                 if event.finished:
                     completion_tokens += event.completion_tokens
@@ -417,7 +444,12 @@ class GPT2Server:
                     filtered.add(index)
                 if text or finish_reason:
                     output = schemas.choice(index, text, finish_reason)
-                    yield _sse(schemas.completion(request_id, created, self.model_name, [output], None))
+                    pending.append(_sse(schemas.completion(request_id, created, self.model_name, [output], None)))
+                if pending and pacer.ready(not choices.queue.empty(), not choices.unfinished):
+                    yield "".join(pending)
+                    pending.clear()
+        if pending:
+            yield "".join(pending)
         if prompt_tokens is not None:
             usage = schemas.usage(prompt_tokens, completion_tokens)
             yield _sse(schemas.completion(request_id, created, self.model_name, [], usage))
