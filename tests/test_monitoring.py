@@ -234,3 +234,30 @@ def test_exporters_on_real_ray(ray_cluster: None, capsys: pytest.CaptureFixture[
     finally:
         for handle in first:
             ray.kill(handle)
+
+
+@pytest.mark.slow
+def test_a_gpu_process_is_labelled_with_the_ray_actor_living_in_it(ray_cluster: None) -> None:
+    import os
+
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class TrainWorker:
+        def pid(self) -> int:
+            return os.getpid()
+
+    worker = TrainWorker.options(name="rank-0").remote()
+    try:
+        pid = ray.get(worker.pid.remote(), timeout=60)
+        # The fake NVML reports the actor's real process on a GPU; Ray's state API names the actor.
+        sample = NodeSample("node-a", True, gpus=[GpuSample(0, processes=[GpuProcess(pid, 2 * GIB)])])
+        lookup = exporter.RayActorLookup(miss_retry_s=0.0)
+        labelled = lookup.label(sample)
+        assert labelled.gpus[0].processes[0].ray_actor == "TrainWorker:rank-0"
+        assert f"{pid}:2.0(TrainWorker:rank-0)" in format_status([labelled])
+        (point,) = [p for p in exporter.metric_points(labelled) if p[0] == exporter.PROCESS_MEMORY_METRIC]
+        assert point[2]["ray_actor"] == "TrainWorker:rank-0"
+        assert lookup(os.getpid()) == ""  # the test process holds no actor
+    finally:
+        ray.kill(worker)

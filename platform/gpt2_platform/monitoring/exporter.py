@@ -8,6 +8,7 @@ Grafana panels. A node without NVIDIA GPUs runs the actor too; it reports
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
@@ -66,50 +67,85 @@ def metric_points(sample: NodeSample, actor_of_pid: Any = lambda pid: "") -> lis
                 points.append((name, float(value), tags))
         for process in gpu.processes or []:
             if process.used_memory_bytes is not None:
-                process_tags = {**tags, "pid": str(process.pid), "ray_actor": actor_of_pid(process.pid)}
+                actor = process.ray_actor or actor_of_pid(process.pid)
+                process_tags = {**tags, "pid": str(process.pid), "ray_actor": actor}
                 points.append((PROCESS_MEMORY_METRIC, float(process.used_memory_bytes), process_tags))
     return points
 
 
 class RayActorLookup:
-    """pid -> "Class:name-or-id" of the Ray actor in that process, via the state API; "" when unknown.
+    """pid -> "Class:name-or-id" of the Ray actor in that process; "" when there is none or it is unknown.
 
-    The state API needs the dashboard; when it fails, lookups pause for `retry_s`.
+    When Ray cannot be asked, lookups pause for `retry_s`. A pid with no
+    actor yet (a process that has just started one) is asked about again after `miss_retry_s`.
     """
 
-    def __init__(self, retry_s: float = 60.0, timeout_s: int = 2) -> None:
+    def __init__(self, retry_s: float = 60.0, timeout_s: int = 2, miss_retry_s: float = 5.0) -> None:
         self.retry_s = retry_s
         self.timeout_s = timeout_s
+        self.miss_retry_s = miss_retry_s
         self._cache: dict[int, str] = {}
+        self._missed_at: dict[int, float] = {}
         self._paused_until = 0.0
 
     def __call__(self, pid: int) -> str:
         if pid in self._cache:
             return self._cache[pid]
-        if time.monotonic() < self._paused_until:
+        now = time.monotonic()
+        if now < self._paused_until or now - self._missed_at.get(pid, -math.inf) < self.miss_retry_s:
             return ""
         try:
-            from ray.util.state import list_actors
+            actors = self._alive_actors_in(pid)
+        except Exception as error:
+            logger.debug("actor lookup for pid %s failed: %r", pid, error)
+            self._paused_until = time.monotonic() + self.retry_s
+            return ""
+        if not actors:
+            self._missed_at[pid] = time.monotonic()
+            return ""
+        class_name, name, actor_id = actors[0]
+        short_class = class_name.rsplit(".", 1)[-1]  # the GCS qualifies a class defined in a function
+        label = self._cache[pid] = f"{short_class}:{name or actor_id[:12]}"
+        self._missed_at.pop(pid, None)
+        return label
 
+    def _alive_actors_in(self, pid: int) -> list[tuple[str, str, str]]:
+        """(class name, name, id) of the alive actors in process `pid`.
+
+        Ray's state API is the public way, but it goes through the dashboard, which a cluster may run
+        without (`--include-dashboard=false`); then the GCS's own actor table answers instead.
+        """
+        from ray.util.state import list_actors
+        from ray.util.state.exception import ServerUnavailable
+
+        try:
             actors = list_actors(
                 filters=[("pid", "=", pid), ("state", "=", "ALIVE")],
                 timeout=self.timeout_s,
                 raise_on_missing_output=False,
             )
-        except Exception as error:
-            logger.debug("actor lookup for pid %s failed: %r", pid, error)
-            self._paused_until = time.monotonic() + self.retry_s
-            return ""
-        label = ""
-        if actors:
-            actor = actors[0]
-            label = f"{actor.class_name}:{actor.name or actor.actor_id[:12]}"
-        self._cache[pid] = label
-        return label
+            return [(a.class_name, a.name, a.actor_id) for a in actors]
+        except ServerUnavailable:
+            import ray._private.state
+
+            table = ray._private.state.actors().values()
+            return [
+                (a["ActorClassName"], a["Name"], a["ActorID"])
+                for a in table
+                if a.get("Pid") == pid and a.get("State") == "ALIVE"
+            ]
+
+    def label(self, sample: NodeSample) -> NodeSample:
+        """Fill in each GPU process's `ray_actor`."""
+        for gpu in sample.gpus:
+            for process in gpu.processes or []:
+                process.ray_actor = self(process.pid)
+        return sample
 
     def forget_except(self, live_pids: set[int]) -> None:
         # pids are reused: keep only those still on a GPU.
         self._cache = {pid: label for pid, label in self._cache.items() if pid in live_pids}
+        self._missed_at = {pid: at for pid, at in self._missed_at.items() if pid in live_pids}
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -147,14 +183,15 @@ class GpuExporter:
         sample = self.sampler.sample_all()
         live_pids = {p.pid for gpu in sample.gpus for p in gpu.processes or []}
         self.actor_of_pid.forget_except(live_pids)
+        self.actor_of_pid.label(sample)
         for name, value, tags in metric_points(sample, self.actor_of_pid):
             self.gauges[name].set(value, tags=tags)
         self.last_sample = sample
         return sample
 
     def sample(self) -> NodeSample:
-        """A fresh sample of this node's GPUs (not exported; the loop does that)."""
-        return self.sampler.sample_all()
+        """A fresh sample of this node's GPUs, processes labelled with their actors (not exported; the loop does that)."""
+        return self.actor_of_pid.label(self.sampler.sample_all())
 
     def stop(self) -> None:
         self._stop.set()

@@ -24,6 +24,8 @@ class GpuProcess:
 
     pid: int
     used_memory_bytes: int | None
+    ray_actor: str = ""
+    """The Ray actor living in this process ("Class:name"), filled in by the exporter; "" if none or unknown."""
 
 
 @dataclass
@@ -178,7 +180,7 @@ def _integer(value: Any) -> int | None:
 def format_status(samples: list[NodeSample]) -> str:
     """A plain per-node, per-GPU table; a node without GPUs gets one line saying why."""
     lines: list[str] = []
-    header = f"{'node':<20} {'gpu':>3} {'name':<24} {'util%':>5} {'mem%':>5} {'mem used/total GiB':>19} {'W':>6} {'C':>4} {'SM MHz':>6}  processes (pid:GiB)"
+    header = f"{'node':<20} {'gpu':>3} {'name':<24} {'util%':>5} {'mem%':>5} {'mem used/total GiB':>19} {'W':>6} {'C':>4} {'SM MHz':>6}  processes (pid:GiB(actor))"
     rows: list[str] = []
     for node in samples:
         if not node.available:
@@ -186,7 +188,7 @@ def format_status(samples: list[NodeSample]) -> str:
             continue
         for gpu in node.gpus:
             memory = f"{_gib(gpu.memory_used_bytes)}/{_gib(gpu.memory_total_bytes)}"
-            processes = " ".join(f"{p.pid}:{_gib(p.used_memory_bytes)}" for p in gpu.processes or []) or "-"
+            processes = " ".join(_process(p) for p in gpu.processes or []) or "-"
             rows.append(
                 f"{node.node:<20} {gpu.index:>3} {_show(gpu.name):<24} {_show(gpu.utilization_gpu_percent, 0):>5} "
                 f"{_show(gpu.utilization_memory_percent, 0):>5} {memory:>19} {_show(gpu.power_watts, 0):>6} "
@@ -195,6 +197,11 @@ def format_status(samples: list[NodeSample]) -> str:
     if rows:
         lines = [header, *rows, *lines]
     return "\n".join(lines) if lines else "no nodes"
+
+
+def _process(process: GpuProcess) -> str:
+    label = f"{process.pid}:{_gib(process.used_memory_bytes)}"
+    return f"{label}({process.ray_actor})" if process.ray_actor else label
 
 
 def _show(value: Any, digits: int | None = None) -> str:
