@@ -156,6 +156,19 @@ def test_the_compile_option_reaches_the_decode_step(model, tokenizer):
     assert compiled.runner.step != compiled.runner._decode_step  # torch.compile's wrapper, compiled on first use
 
 
+def test_a_compiled_decode_step_generates_what_the_eager_one_does(model, tokenizer):
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    outputs = {}
+    for compiled in (False, True):
+        config = EngineConfig(max_batch_size=4, max_seq_len=64, dtype="fp32", compile=compiled)
+        engine = Engine(model, tokenizer, config).start(warmup=False)  # compiles on first use
+        try:
+            outputs[compiled] = [c.token_ids for c in engine.generate(prompts, greedy(12))]
+        finally:
+            engine.shutdown()
+    assert outputs[True] == outputs[False]
+
+
 def test_ids_past_the_tokenizer_are_never_sampled_from_a_padded_vocabulary(tokenizer):
     # A vocabulary padded past the tokenizer (as 50304 pads 50257), with the padding ids made the likeliest.
     torch.manual_seed(0)
