@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from gpt2_platform.engine.detokenize import IncrementalDetokenizer, find_stop
+from gpt2_platform.engine.detokenize import ByteTable, IncrementalDetokenizer, find_stop
 from gpt2_platform.engine.runner import ModelRunner
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.model import GPT2
@@ -131,6 +131,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
+        self.byte_table = ByteTable.of(tokenizer)  # None: every token goes through the tokenizer
         self.max_seq_len = config.max_seq_len or model.config.n_positions
         self.runner = ModelRunner(
             model,
@@ -157,6 +158,9 @@ class Engine:
         self._stopping = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        # With deliver_in_batches: the events of one loop iteration, handed over together at its end.
+        self._deliver: Callable[[list[tuple[Callable[[Event], None], Event]]], None] | None = None
+        self._outbox: list[tuple[Callable[[Event], None], Event]] = []
         # Counters, read by stats(): how the engine actually batched its work.
         self.num_steps = 0
         self.num_prefills = 0
@@ -187,6 +191,16 @@ class Engine:
             raise EngineDeadError(f"engine loop failed: {self._error!r}") from self._error
         if self._thread is None or not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
+
+    def deliver_in_batches(self, deliver: Callable[[list[tuple[Callable[[Event], None], Event]]], None]) -> None:
+        """Hand each loop iteration's events to `deliver` in one call, as (on_event, event) pairs.
+
+        By default every event calls its request's `on_event` on the engine thread. A server whose
+        requests live on one event loop passes a function that makes a single hop to that loop for
+        all of a step's events, then calls the callbacks there: one wake-up per step instead of one
+        per token per request. Set it before submitting.
+        """
+        self._deliver = deliver
 
     # ---- submitting --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
@@ -227,7 +241,7 @@ class Engine:
             list(prompt_ids),
             params,
             on_event,
-            IncrementalDetokenizer(self.tokenizer),
+            IncrementalDetokenizer(self.tokenizer, self.byte_table),
             incremental=incremental_text or bool(params.stop),
         )
         with self._wakeup:
@@ -317,10 +331,22 @@ class Engine:
                 self._admit()
                 if self._has_running():
                     self._decode()
+                self._flush_events()
         except BaseException as error:  # the loop must report any failure to every waiting caller
             logger.exception("engine loop failed")
             self._error = error
             self._fail_all(error)
+
+    def _emit(self, sequence: _Sequence, event: Event) -> None:
+        if self._deliver is None:
+            sequence.on_event(event)
+        else:
+            self._outbox.append((sequence.on_event, event))
+
+    def _flush_events(self) -> None:
+        if self._outbox:
+            batch, self._outbox = self._outbox, []
+            self._deliver(batch)
 
     def _has_running(self) -> bool:
         return any(s is not None for s in self._slots)
@@ -401,7 +427,7 @@ class Engine:
         # Hold back a tail that could still become a stop string.
         hold = max((len(stop) - 1 for stop in params.stop), default=0)
         text = self._pending_text(sequence, max(sequence.emitted_chars, len(detokenizer.text) - hold))
-        sequence.on_event(Event(sequence.request_id, [token], text, seed=params.sampling.seed))
+        self._emit(sequence, Event(sequence.request_id, [token], text, seed=params.sampling.seed))
 
     def _final_text(self, sequence: _Sequence) -> str:
         """The text not yet emitted, decoded whole (this also flushes an unfinished character)."""
@@ -429,7 +455,8 @@ class Engine:
         if 0 <= sequence.slot < len(self._slots) and self._slots[sequence.slot] is sequence:
             self._slots[sequence.slot] = None
         self.num_finished += 1
-        sequence.on_event(
+        self._emit(
+            sequence,
             Event(
                 sequence.request_id,
                 token_ids,
@@ -439,7 +466,7 @@ class Engine:
                 completion_tokens=len(sequence.generated),
                 seed=sequence.params.sampling.seed,
                 error=error,
-            )
+            ),
         )
 
     def _fail_all(self, error: BaseException) -> None:
@@ -451,3 +478,7 @@ class Engine:
                 self._finish(sequence, "error", [], "", error=f"engine failed: {error!r}")
             except Exception:  # a consumer's callback must not hide the original failure
                 logger.exception("could not deliver the engine failure to request %d", sequence.request_id)
+        try:
+            self._flush_events()
+        except Exception:
+            logger.exception("could not deliver the engine failure")

@@ -79,8 +79,8 @@ class _Choices:
             raise
 
     def _deliver_to(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable[[Event], None]:
-        # Called on the engine thread: hand the event over to this request's event loop.
-        return lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+        # Called on this event loop: the engine hands each step's events over in one hop (deliver_in_batches).
+        return lambda event: self.queue.put_nowait((index, event))
 
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
         """(choice index, event) until every sequence finished; closing early cancels the rest."""
@@ -132,6 +132,11 @@ class ChunkPacer:
         return False
 
 
+def _run_callbacks(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
+    for on_event, event in batch:
+        on_event(event)
+
+
 def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -181,6 +186,7 @@ class GPT2Server:
         # constructor returns, so the replica reports healthy only once it serves at full speed.
         self.engine = Engine(checkpoint.load_pretrained(args.model), self.tokenizer, config).start()
         self.metrics = ServeMetrics(self.model_name)
+        self._delivery_loop: asyncio.AbstractEventLoop | None = None
         exporter.start_if_wanted(args.gpu_monitor)  # idempotent: the first replica starts them, others reuse them
         self.metrics.start_sampling(self.engine.stats)
         self.created = schemas.now_s()
@@ -389,7 +395,22 @@ class GPT2Server:
                 code="overloaded",
                 headers={"Retry-After": str(retry_after)},
             )
+        self._deliver_on_this_loop()
         return _Choices(self.engine, jobs, self.metrics)
+
+    def _deliver_on_this_loop(self) -> None:
+        """Have the engine hand each step's events to this event loop in one hop (Serve runs every
+        request of a replica on one loop), instead of one thread-safe call per token per request."""
+        loop = asyncio.get_running_loop()
+        if self._delivery_loop is loop:
+            return
+        assert self._delivery_loop is None, "requests of one replica on two event loops"
+        self._delivery_loop = loop
+
+        def deliver(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
+            loop.call_soon_threadsafe(_run_callbacks, batch)
+
+        self.engine.deliver_in_batches(deliver)
 
     async def _collect(self, choices: _Choices, num_choices: int) -> tuple[list[dict[str, Any]], int]:
         """Every choice's full text and finish reason, and the completion tokens of all of them."""
