@@ -497,20 +497,3 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(base_url, mo
     finally:
         serve.delete("autoscale")
         exporter.stop_exporters()
-
-
-def test_chunk_pacer_sends_first_and_last_at_once_and_the_rest_at_most_every_interval():
-    from gpt2_platform.serve.app import ChunkPacer
-
-    now = [0.0]
-    pacer = ChunkPacer(0.020, clock=lambda: now[0])
-    assert not pacer.ready(more_waiting=True, finished=False)  # more events queued: keep collecting
-    assert pacer.ready(more_waiting=False, finished=False)  # the first chunk: time to first token
-    now[0] = 0.005
-    assert not pacer.ready(more_waiting=False, finished=False)  # within the interval: held
-    now[0] = 0.021
-    assert pacer.ready(more_waiting=False, finished=False)
-    now[0] = 0.022
-    assert pacer.ready(more_waiting=True, finished=True)  # the end is never held back
-    every_token = ChunkPacer(0.0, clock=lambda: now[0])
-    assert every_token.ready(False, False) and every_token.ready(False, False)

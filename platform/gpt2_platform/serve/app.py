@@ -17,7 +17,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from gpt2_platform.monitoring import exporter
 from gpt2_platform.serve import errors, schemas
 from gpt2_platform.serve.errors import APIError, bad_request
 from gpt2_platform.serve.metrics import ServeMetrics
+from gpt2_platform.serve.streams import Choices, ChunkPacer, Job, run_callbacks
 from gpt2_platform.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -44,97 +44,6 @@ errors.install_handlers(app)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
-
-
-@dataclass(frozen=True)
-class _Job:
-    """One sequence to generate: a prompt and how to continue it."""
-
-    prompt: list[int]
-    params: GenerationParams
-
-
-class _Choices:
-    """The sequences of one request, submitted to the engine together, their events merged as they come.
-
-    Submitting here, synchronously, right after the admission check (rather than
-    when a stream is first iterated) keeps the check and the engine's queue in
-    step: no other request can slip in between on this event loop.
-    """
-
-    def __init__(self, engine: Engine, jobs: list[_Job], metrics: ServeMetrics) -> None:
-        loop = asyncio.get_running_loop()
-        self.engine, self.metrics = engine, metrics
-        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        self.started_at = time.perf_counter()
-        self.first_token_at: dict[int, float] = {}
-        self.request_ids: list[int] = []
-        self.unfinished = set(range(len(jobs)))
-        try:
-            for index, job in enumerate(jobs):
-                on_event = self._deliver_to(loop, index)
-                self.request_ids.append(engine.submit(job.prompt, job.params, on_event))
-        except BaseException:
-            self.cancel()
-            raise
-
-    def _deliver_to(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable[[Event], None]:
-        # Called on this event loop: the engine hands each step's events over in one hop (deliver_in_batches).
-        return lambda event: self.queue.put_nowait((index, event))
-
-    async def events(self) -> AsyncIterator[tuple[int, Event]]:
-        """(choice index, event) until every sequence finished; closing early cancels the rest."""
-        try:
-            while self.unfinished:
-                index, event = await self.queue.get()
-                self._record(index, event)
-                yield index, event
-        finally:
-            self.cancel()
-
-    def cancel_one(self, index: int) -> None:
-        """Free one sequence's slot early (moderation stopped it); its last event still arrives."""
-        self.engine.cancel(self.request_ids[index])
-
-    def cancel(self) -> None:
-        """Free the slots of unfinished sequences (a client went away, or one sequence failed)."""
-        for index in self.unfinished:
-            if index < len(self.request_ids):
-                self.engine.cancel(self.request_ids[index])
-
-    def _record(self, index: int, event: Event) -> None:
-        now = time.perf_counter()
-        if not self.first_token_at:
-            self.metrics.record_first_token(now - self.started_at)
-        first = self.first_token_at.setdefault(index, now)
-        if event.finished:
-            self.unfinished.discard(index)
-            self.metrics.record_sequence(event.prompt_tokens, event.completion_tokens, now - first)
-
-
-class ChunkPacer:
-    """When a stream's pending chunks go out: as soon as nothing else waits, at most every `interval_s`.
-
-    The first chunk (time to first token) and the last one are never held back.
-    """
-
-    def __init__(self, interval_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.interval_s, self.clock = interval_s, clock
-        self.last_sent: float | None = None
-
-    def ready(self, more_waiting: bool, finished: bool) -> bool:
-        if more_waiting and not finished:
-            return False
-        now = self.clock()
-        if finished or self.last_sent is None or now - self.last_sent >= self.interval_s:
-            self.last_sent = now
-            return True
-        return False
-
-
-def _run_callbacks(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-    for on_event, event in batch:
-        on_event(event)
 
 
 def _sse(data: dict[str, Any] | str) -> str:
@@ -260,7 +169,7 @@ class GPT2Server:
         body = await schemas.read_json(request, schemas.CompletionRequest, self.limits.max_body_bytes)
         body.check(self.limits, self.model_name)
         prompts = [self._encode(p, "prompt") if isinstance(p, str) else p for p in body.prompt_list()]
-        jobs = [_Job(prompt, self._completion_params(body, i)) for prompt in prompts for i in range(body.n)]
+        jobs = [Job(prompt, self._completion_params(body, i)) for prompt in prompts for i in range(body.n)]
         for job in jobs:
             self._validate(job, length_param="max_tokens")
         await self._check_prompts(body.prompt_list())
@@ -289,7 +198,7 @@ class GPT2Server:
             raise bad_request(
                 f"max_length allows {max_tokens} new tokens, over {self.limits.max_tokens_cap}", "max_length"
             )
-        job = _Job(prompt, GenerationParams(max_tokens, sampling=self._sampling(temperature=body.temperature)))
+        job = Job(prompt, GenerationParams(max_tokens, sampling=self._sampling(temperature=body.temperature)))
         self._validate(job, length_param="max_length")
         await self._check_prompts([body.prompt])
         outputs, _ = await self._collect(self._admit([job]), 1)
@@ -337,7 +246,7 @@ class GPT2Server:
             message = str(error)
             raise bad_request(message, next((f for f in _SAMPLING_FIELDS if message.startswith(f)), None)) from None
 
-    def _validate(self, job: _Job, length_param: str) -> None:
+    def _validate(self, job: Job, length_param: str) -> None:
         """400 for what the engine cannot run; the common cases get OpenAI's param and code."""
         if not job.prompt:
             raise bad_request("prompt is empty; send at least one token", "prompt")
@@ -375,7 +284,7 @@ class GPT2Server:
                     f"{which} was refused by this server's content policy ({verdict.reason})"
                 )
 
-    def _admit(self, jobs: list[_Job]) -> _Choices:
+    def _admit(self, jobs: list[Job]) -> Choices:
         """Submit the jobs, or refuse with 429 when the engine's waiting line is full.
 
         The bound is ours (max_batch_size running plus `max_waiting` waiting), so an
@@ -396,7 +305,7 @@ class GPT2Server:
                 headers={"Retry-After": str(retry_after)},
             )
         self._deliver_on_this_loop()
-        return _Choices(self.engine, jobs, self.metrics)
+        return Choices(self.engine, jobs, self.metrics)
 
     def _deliver_on_this_loop(self) -> None:
         """Have the engine hand each step's events to this event loop in one hop (Serve runs every
@@ -408,11 +317,11 @@ class GPT2Server:
         self._delivery_loop = loop
 
         def deliver(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-            loop.call_soon_threadsafe(_run_callbacks, batch)
+            loop.call_soon_threadsafe(run_callbacks, batch)
 
         self.engine.deliver_in_batches(deliver)
 
-    async def _collect(self, choices: _Choices, num_choices: int) -> tuple[list[dict[str, Any]], int]:
+    async def _collect(self, choices: Choices, num_choices: int) -> tuple[list[dict[str, Any]], int]:
         """Every choice's full text and finish reason, and the completion tokens of all of them."""
         texts: list[list[str]] = [[] for _ in range(num_choices)]
         reasons: list[str | None] = [None] * num_choices
@@ -434,7 +343,7 @@ class GPT2Server:
         return outputs, completion_tokens
 
     async def _stream(
-        self, choices: _Choices, request_id: str, created: int, prompt_tokens: int | None
+        self, choices: Choices, request_id: str, created: int, prompt_tokens: int | None
     ) -> AsyncIterator[str]:
         """SSE chunks, one per text delta or finish, then the usage (if asked for) and [DONE].
 
@@ -477,7 +386,7 @@ class GPT2Server:
         yield _sse("[DONE]")
 
     async def _moderate_delta(
-        self, choices: _Choices, guards: dict[int, CompletionGuard], index: int, event: Event
+        self, choices: Choices, guards: dict[int, CompletionGuard], index: int, event: Event
     ) -> tuple[str, str | None]:
         """A streamed event as moderation lets it out: the text to send now, and the finish reason.
 
