@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpt2_platform.local_cluster import free_ports, processes_marked, signal_group
+
 VENV_BIN = Path(sys.executable).parent
 RAY_CLI = str(VENV_BIN / "ray")
 # Set in the head's environment, so every process it starts inherits it. Ray workers rename
@@ -28,35 +29,6 @@ MARKER_VAR = "GPT2_PLATFORM_TEST_RAY_HEAD"
 NUM_PORTS = 9
 # What `ray start --block` prints once it has started everything and waits for a signal.
 BLOCKING_MESSAGE = "will now block forever"
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports that nothing is bound to right now."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def processes_marked(marker: str) -> dict[int, str]:
-    """PID -> command line of every process whose command line or environment carries `marker`."""
-    tagged = f"{MARKER_VAR}={marker}".encode()
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes()
-        except OSError:  # gone, or not ours to read
-            continue
-        if marker.encode() in cmdline or tagged in environ.split(b"\0"):
-            found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace").strip()
-    return found
 
 
 @dataclass
@@ -145,15 +117,15 @@ class RayHead:
         """Stop the head and all it started; return the processes still alive after `grace_s` (now killed)."""
         marker = str(self.root)
         if self.process.poll() is None:
-            _signal_group(self.process.pid, signal.SIGTERM)
+            signal_group(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                _signal_group(self.process.pid, signal.SIGKILL)
+                signal_group(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
         # Workers live in their own process groups and exit once they lose their raylet.
         deadline = time.monotonic() + grace_s
-        while (left := processes_marked(marker)) and time.monotonic() < deadline:
+        while (left := processes_marked(marker, MARKER_VAR)) and time.monotonic() < deadline:
             time.sleep(0.5)
         for pid in left:
             try:
@@ -162,13 +134,6 @@ class RayHead:
                 pass
         shutil.rmtree(self.root, ignore_errors=True)
         return left
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except ProcessLookupError:
-        pass
 
 
 def _environment(root: Path) -> dict[str, str]:

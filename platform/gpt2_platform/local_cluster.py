@@ -222,9 +222,10 @@ def _wait_until_ready(state: ClusterState, process: subprocess.Popen, token: str
     raise TimeoutError(f"the dashboard did not answer within {timeout_s:.0f} s ({last}); see {state.log_path}")
 
 
-def processes_marked(marker: str) -> dict[int, str]:
-    """PID -> command line of every process whose environment carries MARKER_VAR=`marker`."""
-    tagged = f"{MARKER_VAR}={marker}".encode()
+def processes_marked(marker: str, variable: str = MARKER_VAR) -> dict[int, str]:
+    """PID -> command line of every process whose environment carries `variable`=`marker`, or whose
+    command line names `marker` (Ray's workers rename themselves, but keep their environment)."""
+    tagged = f"{variable}={marker}".encode()
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -234,7 +235,7 @@ def processes_marked(marker: str) -> dict[int, str]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:  # gone, or not ours to read
             continue
-        if tagged in environ.split(b"\0"):
+        if marker.encode() in cmdline or tagged in environ.split(b"\0"):
             found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace").strip()
     return found
 
@@ -247,9 +248,9 @@ def stop(state_dir: Path = DEFAULT_STATE_DIR, grace_s: float = 20) -> dict[int, 
     if state is None:
         return {}
     if is_running(state):
-        _signal_group(state.pid, signal.SIGTERM)
+        signal_group(state.pid, signal.SIGTERM)
         if not _wait_for_exit(state.pid, grace_s):
-            _signal_group(state.pid, signal.SIGKILL)
+            signal_group(state.pid, signal.SIGKILL)
             _wait_for_exit(state.pid, 10)
     # Workers live in process groups of their own and exit once they lose their raylet.
     deadline = time.monotonic() + grace_s
@@ -282,7 +283,7 @@ def _wait_for_exit(pid: int, timeout_s: float) -> bool:
     return False
 
 
-def _signal_group(pgid: int, signum: int) -> None:
+def signal_group(pgid: int, signum: int) -> None:
     try:
         os.killpg(pgid, signum)
     except ProcessLookupError:
