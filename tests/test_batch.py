@@ -307,3 +307,16 @@ def test_cli_exits_2_with_one_error_line(capsys: pytest.CaptureFixture[str], mod
     code = generate_main(["--input", str(tmp_path / "x.parquet"), "--model", str(model_dir)])
     out = capsys.readouterr().out
     assert code == 2 and "output.path is empty" in out, out
+
+
+def test_an_actor_warms_only_the_sampling_modes_its_job_can_use():
+    from gpt2_platform.batch.config import GenerationConfig, InputConfig
+    from gpt2_platform.batch.worker import sampling_modes
+
+    columns = InputConfig(paths=["p.parquet"])
+    assert sampling_modes(GenerationConfig(temperature=0.0), columns) == ("greedy",)
+    assert sampling_modes(GenerationConfig(temperature=0.8), columns) == ("greedy", "plain")
+    assert sampling_modes(GenerationConfig(temperature=0.8, top_p=0.9), columns) == ("greedy", "filtered")
+    # A per-row temperature column can sample even when the default is greedy.
+    with_column = InputConfig(paths=["p.parquet"], temperature_column="temperature")
+    assert sampling_modes(GenerationConfig(temperature=0.0), with_column) == ("greedy", "plain")

@@ -102,3 +102,24 @@ def test_engine_bf16_sampling_is_reproducible_per_seed_on_gpu():
         assert engine.runner.model.transformer.wte.weight.dtype == torch.bfloat16
     finally:
         engine.shutdown()
+
+
+def test_a_sampling_mode_left_out_of_the_warm_up_is_captured_on_first_use():
+    from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams
+    from gpt2_platform.engine.sampling import SamplingParams
+    from gpt2_platform.tokenizer import byte_tokenizer
+
+    torch.manual_seed(0)
+    model = GPT2(preset("tiny"))
+    config = EngineConfig(max_batch_size=4, max_seq_len=64, dtype="bf16")
+    sampled = GenerationParams(max_tokens=8, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=5))
+    results = []
+    for modes in (("greedy", "plain", "filtered"), ("greedy",)):
+        engine = Engine(model, byte_tokenizer(), config).start(modes=modes)
+        try:
+            assert {mode for _, _, mode in engine.runner.graphs} == set(modes)
+            results.append(engine.generate([[1, 2, 3]], sampled)[0].token_ids)
+            assert "plain" in {mode for _, _, mode in engine.runner.graphs}
+        finally:
+            engine.shutdown()
+    assert results[0] == results[1]

@@ -57,6 +57,13 @@ def batch_ids(batch: pa.Table, id_column: str | None) -> list[str]:
     return [derived_id(path, row_hash) for path, row_hash in zip(paths, hashes, strict=True)]
 
 
+def sampling_modes(generation: GenerationConfig, columns: InputConfig) -> tuple[str, ...]:
+    """The decode graphs this job can use, so an actor's warm-up captures only those (others: on first use)."""
+    if columns.temperature_column is None and generation.temperature == 0:
+        return ("greedy",)
+    return ("greedy", "filtered") if generation.top_k > 0 or generation.top_p < 1.0 else ("greedy", "plain")
+
+
 class GenerateBatch:
     """map_batches callable class: input rows (pyarrow) -> output rows (OUTPUT_SCHEMA), skipping done ids."""
 
@@ -77,7 +84,8 @@ class GenerateBatch:
         self.tokenizer.model_max_length = int(1e12)  # prompts are checked against the context here, not there
         # Ray Data may run several batches at once on this actor's threads (scaling.concurrent_batches_per_actor).
         self.tokenizer_lock = threading.Lock()
-        self.engine = Engine(model, self.tokenizer, EngineConfig(**spec.engine), device=device).start()
+        self.engine = Engine(model, self.tokenizer, EngineConfig(**spec.engine), device=device)
+        self.engine.start(modes=sampling_modes(spec.generation, spec.input))
         self.max_seq_len = self.engine.max_seq_len
         logger.info("engine ready on %s (%d ids already done)", device, len(self.done))
 

@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from gpt2_platform.engine.detokenize import ByteTable, IncrementalDetokenizer, find_stop
-from gpt2_platform.engine.runner import ModelRunner
+from gpt2_platform.engine.runner import SAMPLING_MODES, ModelRunner
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.model import GPT2
 
@@ -170,10 +170,10 @@ class Engine:
         self.batch_sizes: Counter[int] = Counter()
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def start(self, warmup: bool = True) -> Engine:
-        """Warm every shape, then start the loop thread."""
+    def start(self, warmup: bool = True, modes: tuple[str, ...] = SAMPLING_MODES) -> Engine:
+        """Warm every shape (of the sampling `modes` the work will use), then start the loop thread."""
         if warmup:
-            self.runner.warmup()
+            self.runner.warmup(modes)
         self._thread = threading.Thread(target=self._run, name="gpt2-engine", daemon=True)
         self._thread.start()
         return self

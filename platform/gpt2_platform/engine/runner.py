@@ -21,6 +21,10 @@ from gpt2_platform.model import GPT2
 logger = logging.getLogger(__name__)
 
 
+SAMPLING_MODES = ("greedy", "plain", "filtered")
+"""The decode graphs per shape: argmax only, sampling without top-k/top-p, and with them (see `_mode`)."""
+
+
 def buckets(limit: int, start: int) -> list[int]:
     """Powers of two from `start` up to `limit`, ending with `limit` itself."""
     sizes, size = [], start
@@ -195,13 +199,19 @@ class ModelRunner:
         return self._graph_pool
 
     @torch.inference_mode()
-    def warmup(self) -> float:
-        """Run (and on CUDA capture) every decode shape and a prefill, before serving; returns seconds."""
+    def warmup(self, modes: tuple[str, ...] = SAMPLING_MODES) -> float:
+        """Run (and on CUDA capture) every decode shape of `modes` and a prefill, before serving; returns seconds.
+
+        A mode left out is captured on first use instead (tens of ms per shape): a batch job that
+        only decodes greedily need not capture the sampling graphs at start.
+        """
+        unknown = set(modes) - set(SAMPLING_MODES)
+        assert not unknown, f"unknown sampling modes {unknown}"
         start = time.perf_counter()
         self.positions.zero_()
         for batch in self.batch_buckets:
             for span in self.span_buckets:
-                for mode in ("greedy", "plain", "filtered"):
+                for mode in modes:
                     if self.use_graphs:
                         self._capture(batch, span, mode)
                     else:
