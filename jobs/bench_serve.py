@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -195,7 +196,7 @@ def main() -> int:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
         from gpt2_platform.bench import serve_app
 
-        port = int(args.url.rsplit(":", 1)[1].split("/")[0])
+        port = urllib.parse.urlsplit(args.url).port or 8000
         model_dir = Path("runs") / f"bench-serve-{args.start_preset}"
         max_seq_len = args.prompt_tokens + args.max_tokens
         app = serve_app.start(

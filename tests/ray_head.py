@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpt2_platform.local_cluster import free_ports, processes_marked, signal_group
+from gpt2_platform.local_cluster import free_ports, reap_marked, signal_group
 
 VENV_BIN = Path(sys.executable).parent
 RAY_CLI = str(VENV_BIN / "ray")
@@ -123,15 +123,7 @@ class RayHead:
             except subprocess.TimeoutExpired:
                 signal_group(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
-        # Workers live in their own process groups and exit once they lose their raylet.
-        deadline = time.monotonic() + grace_s
-        while (left := processes_marked(marker, MARKER_VAR)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        left = reap_marked(marker, MARKER_VAR, grace_s)
         shutil.rmtree(self.root, ignore_errors=True)
         return left
 

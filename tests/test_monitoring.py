@@ -162,7 +162,10 @@ def test_metric_names_are_prometheus_valid() -> None:
 
 
 def test_metric_points_carry_values_and_tags() -> None:
-    points = exporter.metric_points(fake_sample(), actor_of_pid=lambda pid: f"TrainWorker:{pid}")
+    sample = fake_sample()
+    for process in sample.gpus[0].processes:
+        process.ray_actor = f"TrainWorker:{process.pid}"  # what RayActorLookup.label fills in
+    points = exporter.metric_points(sample)
     by_key = {(name, tags["gpu"], tags.get("pid")): (value, tags) for name, value, tags in points}
     value, tags = by_key[("gpt2_gpu_power_watts", "0", None)]
     assert value == 650.5 and tags == {"node": "node-a", "gpu": "0", "uuid": "GPU-0000-0"}

@@ -252,18 +252,26 @@ def stop(state_dir: Path = DEFAULT_STATE_DIR, grace_s: float = 20) -> dict[int, 
         if not _wait_for_exit(state.pid, grace_s):
             signal_group(state.pid, signal.SIGKILL)
             _wait_for_exit(state.pid, 10)
-    # Workers live in process groups of their own and exit once they lose their raylet.
+    left = reap_marked(str(state_dir), MARKER_VAR, grace_s)
+    (state_dir / STATE_FILE).unlink(missing_ok=True)
+    if left:
+        logger.warning("killed %d Ray processes that outlived the head: %s", len(left), sorted(left))
+    return left
+
+
+def reap_marked(marker: str, variable: str, grace_s: float) -> dict[int, str]:
+    """Wait up to `grace_s` for a stopped head's marked processes to exit, then kill those left; returns them.
+
+    Ray's workers live in process groups of their own and exit once they lose their raylet.
+    """
     deadline = time.monotonic() + grace_s
-    while (left := processes_marked(str(state_dir))) and time.monotonic() < deadline:
+    while (left := processes_marked(marker, variable)) and time.monotonic() < deadline:
         time.sleep(0.5)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    (state_dir / STATE_FILE).unlink(missing_ok=True)
-    if left:
-        logger.warning("killed %d Ray processes that outlived the head: %s", len(left), sorted(left))
     return left
 
 

@@ -20,7 +20,7 @@ EOS_TOKEN = "<|endoftext|>"
 
 
 @lru_cache(maxsize=1)
-def _byte_level_vocab() -> dict[str, int]:
+def byte_level_vocab() -> dict[str, int]:
     """GPT-2's byte -> printable character table, as token -> id (id = the byte's value).
 
     The tokenizers ByteLevel pre-tokenizer and decoder use this same table.
@@ -40,7 +40,7 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = dict(_byte_level_vocab())
+    vocab = dict(byte_level_vocab())
     vocab[EOS_TOKEN] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

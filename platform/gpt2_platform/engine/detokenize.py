@@ -8,7 +8,7 @@ import random
 
 from transformers import PreTrainedTokenizerBase
 
-from gpt2_platform.tokenizer import _byte_level_vocab
+from gpt2_platform.tokenizer import byte_level_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class ByteTable:
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase, num_checks: int = 64) -> ByteTable | None:
         """The table, or None unless it decodes random id sequences exactly as the tokenizer does."""
-        byte_of = _byte_level_vocab()
+        byte_of = byte_level_vocab()
         token_bytes = []
         for token_id, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
             if token is not None and all(char in byte_of for char in token):

@@ -54,8 +54,11 @@ PROCESS_MEMORY_METRIC = validate_metric_name("gpt2_gpu_process_memory_bytes")
 METRIC_NAMES: tuple[str, ...] = (*GPU_METRICS, PROCESS_MEMORY_METRIC)
 
 
-def metric_points(sample: NodeSample, actor_of_pid: Any = lambda pid: "") -> list[tuple[str, float, dict[str, str]]]:
-    """(metric name, value, tags) for every known value in `sample`; fields that are None are left out."""
+def metric_points(sample: NodeSample) -> list[tuple[str, float, dict[str, str]]]:
+    """(metric name, value, tags) for every known value in `sample`; fields that are None are left out.
+
+    A process's `ray_actor` tag is its label in the sample (RayActorLookup.label fills it in).
+    """
     points: list[tuple[str, float, dict[str, str]]] = []
     if not sample.available:
         return points
@@ -67,8 +70,7 @@ def metric_points(sample: NodeSample, actor_of_pid: Any = lambda pid: "") -> lis
                 points.append((name, float(value), tags))
         for process in gpu.processes or []:
             if process.used_memory_bytes is not None:
-                actor = process.ray_actor or actor_of_pid(process.pid)
-                process_tags = {**tags, "pid": str(process.pid), "ray_actor": actor}
+                process_tags = {**tags, "pid": str(process.pid), "ray_actor": process.ray_actor}
                 points.append((PROCESS_MEMORY_METRIC, float(process.used_memory_bytes), process_tags))
     return points
 
@@ -184,7 +186,7 @@ class GpuExporter:
         live_pids = {p.pid for gpu in sample.gpus for p in gpu.processes or []}
         self.actor_of_pid.forget_except(live_pids)
         self.actor_of_pid.label(sample)
-        for name, value, tags in metric_points(sample, self.actor_of_pid):
+        for name, value, tags in metric_points(sample):
             self.gauges[name].set(value, tags=tags)
         self.last_sample = sample
         return sample
