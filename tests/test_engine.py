@@ -219,6 +219,34 @@ def test_more_requests_than_slots_all_finish(engine, tokenizer):
     assert engine.stats()["max_batch_size_seen"] == 4
 
 
+def test_sequences_that_end_unforeseen_and_those_taking_their_slots_get_what_they_get_alone(engine, tokenizer):
+    # The engine launches step n+1 before it reads step n's tokens, so a sequence that a stop string
+    # ends at step n still gets a step n+1, whose token must be dropped; the request that takes its
+    # slot next must not see any of it. Stops end some requests early, at steps the engine cannot foresee.
+    requests = [
+        (tokenizer(f"{name} has")["input_ids"], greedy(max_tokens, stop=stop))
+        for name, max_tokens, stop in [
+            ("alice", 30, (" ",)),
+            ("bob", 5, ()),
+            ("carol", 30, ("a",)),
+            ("dave", 12, ()),
+            ("erin", 30, ("e", "s")),
+            ("frank", 3, ()),
+            ("grace", 30, (".",)),
+            ("heidi", 20, ()),
+            ("ivan", 30, ("o",)),
+            ("judy", 9, ()),
+        ]
+    ]
+    alone = [engine.generate([prompt], params)[0] for prompt, params in requests]
+    assert any(r.finish_reason == "stop" for r in alone) and any(r.finish_reason == "length" for r in alone)
+    together = engine.generate([prompt for prompt, _ in requests], [params for _, params in requests])
+    assert [(r.token_ids, r.text, r.finish_reason) for r in together] == [
+        (r.token_ids, r.text, r.finish_reason) for r in alone
+    ]
+    assert engine.stats()["max_batch_size_seen"] == 4
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [
@@ -246,7 +274,7 @@ def test_a_dead_loop_fails_waiting_requests_and_health(model, tokenizer):
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    engine.runner.decode = broken
+    engine.runner.launch = broken
     (result,) = engine.generate([[1, 2, 3]], greedy(5))
     assert result.finish_reason == "error" and "device lost" in result.error
     with pytest.raises(EngineDeadError):

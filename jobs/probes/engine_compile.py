@@ -31,7 +31,7 @@ def probe(name: str, out: Path) -> dict:
     model = GPT2(preset("gpt2"))
     config = EngineConfig(max_batch_size=256, max_seq_len=256, dtype="bf16", compile=name == "compile")
     started = time.perf_counter()
-    engine = Engine(model, byte_tokenizer(), config).start()
+    engine = Engine(model, byte_tokenizer(), config).start(modes=("greedy",))  # the probe decodes greedily
     warm_s = time.perf_counter() - started
     latency = {b: decode_step_latency(engine, b, 128) for b in (1, 8, 64, 256)}
     runner = engine.runner

@@ -161,6 +161,24 @@ class GPT2(nn.Module):
         keeps keys and values between calls, and `logits_at` `(B,)` picks the one
         position per row whose logits are wanted (then `(B, vocab)`).
         """
+        logits = self.lm_head(self.hidden(input_ids, positions=positions, cache=cache, hidden_at=logits_at))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        cache: AttentionCache | None = None,
+        hidden_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final layer norm's output `(B, T, C)`, or `(B, C)` at `hidden_at`: everything but the LM head.
+
+        The engine applies its own copy of the head (see engine/runner.py), padded to an aligned vocabulary.
+        """
         B, T = input_ids.shape
         if T > self.config.n_positions:
             raise ValueError(f"sequence length {T} exceeds the model's context of {self.config.n_positions}")
@@ -169,13 +187,9 @@ class GPT2(nn.Module):
         x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(positions))  # (B, T, C)
         for block in self.transformer.h:
             x = block(x, cache)
-        if logits_at is not None:
-            x = x[torch.arange(B, device=x.device), logits_at]  # (B, C)
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab) or (B, vocab)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
-        return logits, loss
+        if hidden_at is not None:
+            x = x[torch.arange(B, device=x.device), hidden_at]  # (B, C)
+        return self.transformer.ln_f(x)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (the tied head counted once); non_embedding drops wte and wpe."""

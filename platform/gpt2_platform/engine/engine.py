@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from gpt2_platform.engine.detokenize import ByteTable, IncrementalDetokenizer, find_stop
-from gpt2_platform.engine.runner import SAMPLING_MODES, ModelRunner
+from gpt2_platform.engine.runner import SAMPLING_MODES, Launch, ModelRunner
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.model import GPT2
 
@@ -114,7 +114,25 @@ class _Sequence:
     slot: int = -1
     generated: list[int] = field(default_factory=list)
     emitted_chars: int = 0
+    in_flight: int = 0  # launched steps whose token for it is not yet taken in (0, 1 or 2)
     submitted_at: float = field(default_factory=time.perf_counter)
+
+
+def validate_request(prompt_ids: list[int], params: GenerationParams, max_seq_len: int, vocab_size: int) -> None:
+    """Raise ValueError for a request an engine of this context and vocabulary cannot take, naming what is wrong."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty; send at least one token of text")
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    total = len(prompt_ids) + params.max_tokens
+    if total > max_seq_len:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total}, over the "
+            f"context of {max_seq_len} tokens; shorten the prompt or lower max_tokens"
+        )
+    if any(not 0 <= t < vocab_size for t in prompt_ids):
+        raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab_size})")
+    params.sampling.validate()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -161,6 +179,7 @@ class Engine:
         # With deliver_in_batches: the events of one loop iteration, handed over together at its end.
         self._deliver: Callable[[list[tuple[Callable[[Event], None], Event]]], None] | None = None
         self._outbox: list[tuple[Callable[[Event], None], Event]] = []
+        self._in_flight: tuple[Launch, list[_Sequence]] | None = None  # the step launched, not yet collected
         # Counters, read by stats(): how the engine actually batched its work.
         self.num_steps = 0
         self.num_prefills = 0
@@ -205,20 +224,7 @@ class Engine:
     # ---- submitting --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
         """Raise ValueError for a request the engine cannot take, naming what is wrong."""
-        if not prompt_ids:
-            raise ValueError("prompt is empty; send at least one token of text")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total}, over the "
-                f"context of {self.max_seq_len} tokens; shorten the prompt or lower max_tokens"
-            )
-        vocab = self.runner.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
-        params.sampling.validate()
+        validate_request(prompt_ids, params, self.max_seq_len, self.runner.model.config.vocab_size)
 
     def submit(
         self,
@@ -329,8 +335,11 @@ class Engine:
                     cancelled, self._cancelled = self._cancelled, set()
                 self._drop_cancelled(cancelled)
                 self._admit()
-                if self._has_running():
-                    self._decode()
+                # Start this step before taking in the last one's tokens: the device computes while the
+                # host detokenizes and delivers, and the host's work per step leaves the critical path.
+                launched = self._launch()
+                self._collect()
+                self._in_flight = launched
                 self._flush_events()
         except BaseException as error:  # the loop must report any failure to every waiting caller
             logger.exception("engine loop failed")
@@ -349,7 +358,7 @@ class Engine:
             self._deliver(batch)
 
     def _has_running(self) -> bool:
-        return any(s is not None for s in self._slots)
+        return self._in_flight is not None or any(s is not None for s in self._slots)
 
     def _drop_cancelled(self, cancelled: set[int]) -> None:
         if not cancelled:
@@ -383,20 +392,36 @@ class Engine:
         for sequence, token in zip(admitted, first, strict=True):
             self._append(sequence, token)
 
-    def _decode(self) -> None:
-        last = max(i for i, s in enumerate(self._slots) if s is not None) + 1
-        tokens, positions, steps = [0] * last, [0] * last, [0] * last
-        for i, sequence in enumerate(self._slots[:last]):
-            if sequence is not None:
-                tokens[i] = sequence.generated[-1]
-                positions[i] = len(sequence.prompt) + len(sequence.generated) - 1
-                steps[i] = len(sequence.generated)
-        next_tokens = self.runner.decode(tokens, positions, steps)
-        running = [s for s in self._slots[:last] if s is not None]
+    def _launch(self) -> tuple[Launch, list[_Sequence]] | None:
+        """Start a decode step for every running sequence that may still need a token."""
+        running = [s for s in self._slots if s is not None and len(s.generated) + s.in_flight < s.params.max_tokens]
+        if not running:
+            return None
+        rows: list[tuple[int, int, int] | None] = [(0, 0, 0)] * (max(s.slot for s in running) + 1)
+        max_position = 0
+        for sequence in running:
+            position = len(sequence.prompt) + len(sequence.generated) - 1 + sequence.in_flight
+            max_position = max(max_position, position)
+            # A sequence whose last token is still on the device goes on from there.
+            rows[sequence.slot] = (
+                None if sequence.in_flight else (sequence.generated[-1], position, len(sequence.generated))
+            )
+            sequence.in_flight += 1
         self.num_steps += 1
         self.batch_sizes[len(running)] += 1
+        return self.runner.launch(rows, max_position), running
+
+    def _collect(self) -> None:
+        """Take in the tokens of the step launched before; sequences that ended meanwhile drop theirs."""
+        if self._in_flight is None:
+            return
+        launch, running = self._in_flight
+        self._in_flight = None
+        tokens = launch.tokens()
         for sequence in running:
-            self._append(sequence, next_tokens[sequence.slot])
+            sequence.in_flight -= 1
+            if self._slots[sequence.slot] is sequence:  # not finished (or cancelled) since the launch
+                self._append(sequence, tokens[sequence.slot])
 
     def _append(self, sequence: _Sequence, token: int) -> None:
         """Record one generated token; emit its text, or finish the sequence."""

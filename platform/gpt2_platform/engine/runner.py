@@ -66,11 +66,28 @@ class ModelRunner:
         self.span_buckets = buckets(max_seq_len, min(64, max_seq_len))
         self.prefill_buckets = buckets(max_seq_len, min(16, max_seq_len))
         self.use_graphs = cuda_graphs and device.type == "cuda"
-        # Static inputs of the decode step, one column per slot; a graph reads columns [:B].
-        # Rows: token, position, step; one pinned host buffer feeds them in one copy.
-        self.inputs = torch.zeros(3, num_slots, dtype=torch.long, device=device)
-        self.tokens, self.positions, self.steps = self.inputs
-        self.host_inputs = torch.zeros(3, num_slots, dtype=torch.long, pin_memory=device.type == "cuda")
+        # The LM head, padded to a multiple of 64 rows: cuBLAS has no fast kernel for an odd row count
+        # such as GPT-2's 50257. On an H200 the head took 155 us at batch 64 and 212 us at 256; padded to
+        # 50304 rows, 24 and 34 us (.device_results gemv probe, 2026-12-01). The extra rows are zeros,
+        # and the logits are cut to `vocab_limit` anyway.
+        head = self.model.lm_head.weight
+        padded_rows = -(-head.shape[0] // 64) * 64
+        self.head = torch.zeros(padded_rows, head.shape[1], dtype=dtype, device=device)
+        self.head[: head.shape[0]] = head.detach()
+        # Decode state, one column per slot; a graph reads columns [:B]. Each step leaves its output
+        # token, position + 1 and step + 1 here, so the next step can run before the host has read
+        # this one's tokens (see `launch`).
+        self.tokens = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.positions = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.steps = torch.zeros(num_slots, dtype=torch.long, device=device)
+        # What the host sets before a step, in one copy: rows token, position, step, and "fed" (1: take
+        # this column from here; 0: keep what the previous step left on the device).
+        self.staged = torch.zeros(4, num_slots, dtype=torch.long, device=device)
+        # Two of each host buffer: one for the step being set up, one for the step still in flight.
+        pinned = device.type == "cuda"
+        self.host_staged = [torch.zeros(4, num_slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.host_out = [torch.zeros(num_slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.launches = 0
         # Host copies of what decides the sampling mode of a step (see `_mode`).
         self.greedy = [True] * num_slots
         self.limited = [False] * num_slots  # top-k or top-p set
@@ -80,7 +97,7 @@ class ModelRunner:
         self.seed = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Compiled with dynamic shapes, the step fuses its small kernels (layer norms, GELU,
-        # residuals) once for every bucket; the graphs are then captured around the fused step.
+        # residuals, cache writes) once for every bucket; the graphs are then captured around it.
         self.step = self._decode_step
         if compile_step:
             # One compiled variant per sampling mode, and batch 1 is specialised: past dynamo's
@@ -113,9 +130,9 @@ class ModelRunner:
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         view = self.cache.prefill(slot_ids, positions)
         with self._prefill_attention():
-            logits, _ = self.model(tokens, positions=positions, cache=view, logits_at=last)  # (B, vocab)
+            hidden = self.model.hidden(tokens, positions=positions, cache=view, hidden_at=last)  # (B, C)
         first = sample(
-            logits[:, : self.vocab_limit],
+            self._logits(hidden),
             self.temperature[slot_ids],
             self.top_k[slot_ids],
             self.top_p[slot_ids],
@@ -142,43 +159,83 @@ class ModelRunner:
             return "greedy"
         return "filtered" if any(self.limited[:active]) else "plain"
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.head)[..., : self.vocab_limit]
+
     def _decode_step(self, batch: int, span: int, mode: str) -> torch.Tensor:
-        """One token for rows [:batch], attending over [0, span); reads only the static buffers."""
-        positions = self.positions[:batch]
+        """One token for rows [:batch], attending over [0, span); reads and advances only the static buffers.
+
+        A row's inputs come from `staged` where the host fed them, else from what the previous step left.
+        """
+        staged = self.staged[:, :batch]
+        fed = staged[3] != 0
+        tokens = torch.where(fed, staged[0], self.tokens[:batch])
+        positions = torch.where(fed, staged[1], self.positions[:batch])
+        steps = torch.where(fed, staged[2], self.steps[:batch])
         view = self.cache.decode(positions, span)
-        logits, _ = self.model(self.tokens[:batch, None], positions=positions[:, None], cache=view)
-        logits = logits[:, :, : self.vocab_limit]
+        hidden = self.model.hidden(tokens[:, None], positions=positions[:, None], cache=view)  # (B, 1, C)
+        logits = self._logits(hidden[:, -1])
         if mode == "greedy":
             # The same argmax `sample` takes for temperature-0 rows, without its sort and noise.
-            return torch.argmax(logits[:, -1].float(), dim=-1)
-        return sample(
-            logits[:, -1],
-            self.temperature[:batch],
-            self.top_k[:batch],
-            self.top_p[:batch],
-            self.seed[:batch],
-            self.steps[:batch],
-            filtered=mode == "filtered",
-        )
+            out = torch.argmax(logits.float(), dim=-1)
+        else:
+            out = sample(
+                logits,
+                self.temperature[:batch],
+                self.top_k[:batch],
+                self.top_p[:batch],
+                self.seed[:batch],
+                steps,
+                filtered=mode == "filtered",
+            )
+        # Leave the next step's inputs. A row whose sequence ended runs once more before the host
+        # knows; clamping keeps its cache write inside the cache.
+        self.tokens[:batch] = out
+        self.positions[:batch] = torch.clamp(positions + 1, max=self.max_seq_len - 1)
+        self.steps[:batch] = steps + 1
+        return out
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int], steps: list[int]) -> list[int]:
-        """The next token for slots 0..len(tokens)-1 (rows of finished slots are computed and ignored)."""
-        active = len(tokens)
+    def launch(self, rows: list[tuple[int, int, int] | None], max_position: int) -> Launch:
+        """Start the decode step for slots 0..len(rows)-1 without waiting for it; `Launch.tokens()` waits.
+
+        `rows[i]` is `(token, position, step)` for a slot the host feeds (a sequence just prefilled, or
+        `(0, 0, 0)` for a free slot), or None for a slot that goes on from the previous launch's output
+        on the device. `max_position` is the largest position among the rows, for the span bucket. On
+        CUDA the step runs while the host handles the previous one's tokens; on CPU it runs now.
+        """
+        active = len(rows)
         batch = bucket_for(active, self.batch_buckets)
-        span = bucket_for(max(positions) + 1, self.span_buckets)
+        span = bucket_for(max_position + 1, self.span_buckets)
         mode = self._mode(active)
-        self.host_inputs[:, :active] = torch.tensor([tokens, positions, steps], dtype=torch.long)
-        self.inputs[:, :active].copy_(self.host_inputs[:, :active], non_blocking=True)
-        if batch > active:
-            # Padding rows write position 0 of unused slots, which a later prefill overwrites.
-            self.positions[active:batch] = 0
+        buffer = self.launches % 2
+        self.launches += 1
+        host = self.host_staged[buffer]
+        host[:, :batch] = 0
+        host[3, :batch] = 1  # padding rows [active, batch) are fed position 0 of unused slots
+        for i, row in enumerate(rows):
+            if row is None:
+                host[3, i] = 0
+            else:
+                host[0, i], host[1, i], host[2, i] = row
+        self.staged[:, :batch].copy_(host[:, :batch], non_blocking=True)
         if self.use_graphs:
             graph, out = self.graphs.get((batch, span, mode)) or self._capture(batch, span, mode)
             graph.replay()
         else:
             out = self.step(batch, span, mode)
-        return out[:active].tolist()
+        result = self.host_out[buffer]
+        result[:active].copy_(out[:active], non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Launch(result, active, done)
+
+    def decode(self, tokens: list[int], positions: list[int], steps: list[int]) -> list[int]:
+        """The next token for slots 0..len(tokens)-1, every row fed by the host, waiting for the result."""
+        rows = list(zip(tokens, positions, steps, strict=True))
+        return self.launch(rows, max(positions)).tokens()
 
     def _capture(self, batch: int, span: int, mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = torch.cuda.Stream(self.device)
@@ -209,6 +266,8 @@ class ModelRunner:
         assert not unknown, f"unknown sampling modes {unknown}"
         start = time.perf_counter()
         self.positions.zero_()
+        self.staged.zero_()  # every row fed position 0 while warming up
+        self.staged[3] = 1
         for batch in self.batch_buckets:
             for span in self.span_buckets:
                 for mode in modes:
@@ -229,3 +288,15 @@ class ModelRunner:
             elapsed,
         )
         return elapsed
+
+
+class Launch:
+    """A decode step started by `ModelRunner.launch`; its tokens once the device has them."""
+
+    def __init__(self, result: torch.Tensor, active: int, done: torch.cuda.Event | None) -> None:
+        self.result, self.active, self.done = result, active, done
+
+    def tokens(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.result[: self.active].tolist()
