@@ -30,6 +30,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--engine-batch", type=int, default=256)
     parser.add_argument("--naive-batch", type=int, default=64)
+    parser.add_argument("--compile", action="store_true", help="torch.compile our engine's decode step")
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
@@ -41,7 +42,9 @@ def main() -> int:
     )
     model_dir = batch.write_model(work / "model", args.preset)
     max_seq_len = args.max_prompt_tokens + args.new_tokens
-    rows = [batch.our_job(prompts, model_dir, work / "ours", args.new_tokens, args.engine_batch, max_seq_len)]
+    rows = [
+        batch.our_job(prompts, model_dir, work / "ours", args.new_tokens, args.engine_batch, max_seq_len, args.compile)
+    ]
     print(f"ours: {rows[0]}", flush=True)
     if not args.skip_naive:
         rows.append(batch.naive_job(prompts, model_dir, work / "naive", args.new_tokens, args.naive_batch))

@@ -54,13 +54,11 @@ def preset(name: str, **overrides: object) -> GPT2Config:
 
 
 class AttentionCache(Protocol):
-    """A key/value store for inference (see engine/cache.py); the model only asks it two things."""
+    """A key/value store for inference (see engine/cache.py): it keeps each step's keys and values and
+    attends over everything it holds for the row."""
 
-    def attend(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Store this step's k, v `(B, nh, T, hs)`; return the keys, values and boolean mask to attend
-        over (mask None: plain causal attention over the given k, v)."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this step's k, v `(B, nh, T, hs)`; return the attention output `(B, nh, T, hs)` for q."""
         ...
 
 
@@ -79,12 +77,12 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        mask = None
         if cache is not None:
-            k, v, mask = cache.attend(self.layer, k, v)
-        # SDPA picks flash / memory-efficient kernels on GPU (plain causal case).
-        dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout)
+            y = cache.attend(self.layer, q, k, v)
+        else:
+            # SDPA picks flash / memory-efficient kernels on GPU (plain causal case).
+            dropout = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

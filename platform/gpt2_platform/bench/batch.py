@@ -97,7 +97,13 @@ def naive_job(prompts: Path, model_dir: Path, output: Path, new_tokens: int, bat
 
 
 def our_job(
-    prompts: Path, model_dir: Path, output: Path, new_tokens: int, max_batch_size: int, max_seq_len: int
+    prompts: Path,
+    model_dir: Path,
+    output: Path,
+    new_tokens: int,
+    max_batch_size: int,
+    max_seq_len: int,
+    compile_step: bool = False,
 ) -> dict:
     from gpt2_platform.batch import load, run_generation
 
@@ -112,6 +118,7 @@ def our_job(
             "generation.ignore_eos=true",
             f"engine.max_batch_size={max_batch_size}",
             f"engine.max_seq_len={max_seq_len}",
+            f"engine.compile={str(compile_step).lower()}",
             "scaling.batch_size=1024",
         ],
     )
@@ -119,7 +126,7 @@ def our_job(
     summary = run_generation(config)
     wall_s = time.perf_counter() - started
     return {
-        "job": f"gpt2-platform generate (engine batch {max_batch_size})",
+        "job": f"gpt2-platform generate (engine batch {max_batch_size}{', compiled' if compile_step else ''})",
         "rows": summary["rows"],
         "wall_s": wall_s,
         "generated_tokens_per_s": summary["completion_tokens"] / wall_s,

@@ -13,6 +13,7 @@ on an H200 made every compiled decode step copy the entire cache (12.5 ms a step
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from gpt2_platform.model import GPT2Config
 
@@ -48,11 +49,11 @@ class PrefillView:
     def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.cache, self.slots, self.positions = cache, slots[:, None], positions
 
-    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # Index (B, 1) x (B, T) around the head dim: the target is (B, T, nh, hs).
         self.cache.k[layer][self.slots, :, self.positions] = k.transpose(1, 2)
         self.cache.v[layer][self.slots, :, self.positions] = v.transpose(1, 2)
-        return k, v, None
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class DecodeView:
@@ -65,9 +66,10 @@ class DecodeView:
         # (B, 1, 1, span): a row sees positions 0..its own, nothing past it.
         self.mask = (torch.arange(span, device=positions.device)[None, :] <= positions[:, None])[:, None, None, :]
 
-    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch = k.shape[0]
         k_layer, v_layer = self.cache.k[layer], self.cache.v[layer]
         k_layer[self.rows, :, self.positions] = k[:, :, 0]  # (B, nh, hs)
         v_layer[self.rows, :, self.positions] = v[:, :, 0]
-        return k_layer[:batch, :, : self.span], v_layer[:batch, :, : self.span], self.mask
+        keys, values = k_layer[:batch, :, : self.span], v_layer[:batch, :, : self.span]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask)

@@ -211,13 +211,11 @@ class ModelRunner:
         buffer = self.launches % 2
         self.launches += 1
         host = self.host_staged[buffer]
-        host[:, :batch] = 0
-        host[3, :batch] = 1  # padding rows [active, batch) are fed position 0 of unused slots
-        for i, row in enumerate(rows):
-            if row is None:
-                host[3, i] = 0
-            else:
-                host[0, i], host[1, i], host[2, i] = row
+        # Built as lists and copied in once: per-element tensor writes cost ~1.5 ms a step at batch 256.
+        fed = [(0, 0, 0, 0) if row is None else (*row, 1) for row in rows]
+        host[:, :active] = torch.tensor(fed, dtype=torch.long).T
+        host[:, active:batch] = 0
+        host[3, active:batch] = 1  # padding rows are fed position 0 of unused slots
         self.staged[:, :batch].copy_(host[:, :batch], non_blocking=True)
         if self.use_graphs:
             graph, out = self.graphs.get((batch, span, mode)) or self._capture(batch, span, mode)
