@@ -190,6 +190,9 @@ def main() -> int:
     started.add_argument(
         "--stream-interval-ms", type=float, default=0.0, help="limits.stream_interval_ms (0: every token)"
     )
+    started.add_argument(
+        "--engine-process", action="store_true", help="args.engine_process: the engine in a child process"
+    )
     args = parser.parse_args()
     app = None
     if args.start_preset:
@@ -207,6 +210,7 @@ def main() -> int:
             max_seq_len,
             args.compile,
             stream_interval_ms=args.stream_interval_ms,
+            engine_process=args.engine_process,
         )
         print(f"replica ready in {app['replica_ready_s']:.1f} s on {app['num_gpus']} GPU(s)", flush=True)
     try:

@@ -27,6 +27,7 @@ def start(
     compile_step: bool = False,
     gpu_monitor: bool | None = None,
     stream_interval_ms: float = 0.0,
+    engine_process: bool = False,
 ) -> dict[str, Any]:
     """Write the model, start Serve on 127.0.0.1:`port` and deploy one replica; returns what was deployed."""
     import ray
@@ -49,6 +50,7 @@ def start(
         "max_batch_size": max_batch_size,
         "max_seq_len": max_seq_len,
         "compile": compile_step,
+        "engine_process": engine_process,
         # Room for the whole sweep: a benchmark measures the engine, not the admission limits.
         "limits": {
             "max_waiting": 4 * max_batch_size,

@@ -28,6 +28,7 @@ from ray.serve import Application
 
 from gpt2_platform import checkpoint
 from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams
+from gpt2_platform.engine.process import EngineProcess
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.moderation import CONTENT_FILTER, CompletionGuard, Moderator, Verdict, build_moderator
 from gpt2_platform.monitoring import exporter
@@ -93,7 +94,10 @@ class GPT2Server:
         )
         # start() warms every batch and span shape (and captures the CUDA graphs) before this
         # constructor returns, so the replica reports healthy only once it serves at full speed.
-        self.engine = Engine(checkpoint.load_pretrained(args.model), self.tokenizer, config).start()
+        if args.engine_process:  # a child process with its own GIL: HTTP streaming does not slow the loop
+            self.engine = EngineProcess(args.model, args.tokenizer or args.model, config).start()
+        else:
+            self.engine = Engine(checkpoint.load_pretrained(args.model), self.tokenizer, config).start()
         self.metrics = ServeMetrics(self.model_name)
         self._delivery_loop: asyncio.AbstractEventLoop | None = None
         exporter.start_if_wanted(args.gpu_monitor)  # idempotent: the first replica starts them, others reuse them

@@ -78,6 +78,8 @@ class AppArgs(BaseModel):
     """Prompt plus generated tokens per sequence; None: the model's context."""
     max_prefill_tokens: int = Field(4096, ge=1)
     """Prompt tokens admitted per engine iteration."""
+    engine_process: bool = False
+    """Run the engine in a child process (its own GIL and CUDA context), so HTTP streaming does not slow its loop."""
     api_key_env: str | None = None
     """Name of an environment variable holding the API key; None: no authentication."""
     limits: ServeLimits = Field(default_factory=ServeLimits)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from gpt2_platform.engine.engine import Engine, Event, GenerationParams
+from gpt2_platform.engine.process import EngineProcess
 from gpt2_platform.serve.metrics import ServeMetrics
 
 
@@ -27,7 +28,7 @@ class Choices:
     step: no other request can slip in between on this event loop.
     """
 
-    def __init__(self, engine: Engine, jobs: list[Job], metrics: ServeMetrics) -> None:
+    def __init__(self, engine: Engine | EngineProcess, jobs: list[Job], metrics: ServeMetrics) -> None:
         loop = asyncio.get_running_loop()
         self.engine, self.metrics = engine, metrics
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()

@@ -1,0 +1,408 @@
+"""The engine in a child process of its own: its own GIL (and CUDA context), away from the HTTP work.
+
+In one process, the engine's loop thread and Serve's streaming machinery (an executor
+thread, two event loops) take turns on one GIL, and at high concurrency the host, not the
+GPU, sets the pace. `EngineProcess` stands in for the parts of `Engine` a server uses:
+the parent validates and submits; the child (started with `spawn`) owns the model and
+sends one message per engine step with all of that step's events; a reader thread in the
+parent hands each message to the `deliver_in_batches` function in one call, so a server
+still wakes its event loop once per step.
+
+The child exits when its parent does (the pipe closes, or its parent pid changes), and
+if it dies, every pending request finishes with an error event and `check_health` raises.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams, validate_request
+from gpt2_platform.engine.runner import SAMPLING_MODES
+
+logger = logging.getLogger(__name__)
+
+Deliver = Callable[[list[tuple[Callable[[Event], None], Event]]], None]
+# How often the child checks on its parent and on its engine, and at most how often it sends stats.
+_POLL_S = 0.1
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not build or warm its engine; the message holds the child's traceback."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the child needs to build its engine: all picklable, nothing loaded yet."""
+
+    model: str
+    """Model directory or hub name, as `checkpoint.load_pretrained` takes it."""
+    tokenizer: str
+    """Tokenizer directory, hub name or 'byte', as `load_tokenizer` takes it."""
+    config: EngineConfig
+    warmup: bool = True
+    """Warm every shape (capture the CUDA graphs) before the child reports ready."""
+    modes: tuple[str, ...] = SAMPLING_MODES
+    """The sampling modes to warm."""
+
+
+class EngineProcess:
+    """An `Engine` in a spawned child process, driven through a pipe; the parent only validates and routes events."""
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: str,
+        config: EngineConfig,
+        warmup: bool = True,
+        modes: tuple[str, ...] = SAMPLING_MODES,
+    ) -> None:
+        self.spec = EngineSpec(model, tokenizer, config, warmup, tuple(modes))
+        self.config = config
+        self.max_seq_len: int | None = None  # known once the child has built its engine
+        self.vocab_size: int | None = None
+        self._ids = itertools.count(1)
+        # Requests submitted and not yet finished, and those of them that have had an event (so are
+        # in a slot); the lock keeps a cancel from slipping between a request's events.
+        self._pending: dict[int, Callable[[Event], None]] = {}
+        self._started: set[int] = set()
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._deliver: Deliver | None = None
+        self._stats: dict[str, Any] = {}
+        self._error: str | None = None
+        self._stopping = False
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before start)."""
+        return None if self._process is None else self._process.pid
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> EngineProcess:
+        """Start the child and wait until its engine is built and warm; EngineStartError if it fails."""
+        context = multiprocessing.get_context("spawn")  # fork would copy this process's threads and CUDA state
+        self._conn, child_conn = context.Pipe(duplex=True)
+        self._process = context.Process(
+            target=_child_main, args=(child_conn, os.getpid(), self.spec), name="gpt2-engine", daemon=True
+        )
+        self._process.start()
+        child_conn.close()  # the child's copy is its own: the parent keeps one end, so EOF means the child is gone
+        try:
+            info = self._wait_until_ready()
+        except BaseException:
+            self._stop_process()
+            raise
+        self.max_seq_len, self.vocab_size = info["max_seq_len"], info["vocab_size"]
+        self._stats = info["stats"]
+        self._reader = threading.Thread(target=self._read, name="gpt2-engine-reader", daemon=True)
+        self._reader.start()
+        logger.info("engine process %d ready (max_seq_len %d)", self._process.pid, self.max_seq_len)
+        return self
+
+    def _wait_until_ready(self) -> dict[str, Any]:
+        assert self._conn is not None and self._process is not None
+        while not self._conn.poll(1.0):
+            if not self._process.is_alive():
+                raise EngineStartError(f"the engine process exited with code {self._process.exitcode} while starting")
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            self._process.join(timeout=5)
+            raise EngineStartError(
+                f"the engine process exited with code {self._process.exitcode} while starting"
+            ) from None
+        if kind == "failed":
+            raise EngineStartError(f"the engine process could not start its engine:\n{payload}")
+        assert kind == "ready", kind
+        return payload
+
+    def shutdown(self) -> None:
+        """Stop the child's engine and the child; requests still pending finish with an error event."""
+        if self._process is None or self._stopping:
+            return
+        self._stopping = True
+        try:
+            self._send(("shutdown",))
+        except (OSError, EngineDeadError):
+            pass  # already gone
+        self._stop_process()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        self._fail_pending("engine shut down")
+
+    def _stop_process(self) -> None:
+        assert self._process is not None
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            logger.warning("engine process %d did not stop in 30 s; killing it", self._process.pid)
+            self._process.kill()
+            self._process.join(timeout=10)
+        if self._conn is not None:
+            self._conn.close()
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the child died or its engine loop failed."""
+        if self._error is not None:
+            raise EngineDeadError(self._error)
+        if self._process is None or not self._process.is_alive():
+            raise EngineDeadError("engine process is not running")
+
+    def deliver_in_batches(self, deliver: Deliver) -> None:
+        """As `Engine.deliver_in_batches`: each engine step's events in one call, from the reader thread."""
+        self._deliver = deliver
+
+    # ---- submitting --------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
+        """Raise ValueError for a request the engine cannot take (checked here: it never reaches the child)."""
+        assert self.max_seq_len is not None and self.vocab_size is not None, "start() the engine process first"
+        validate_request(prompt_ids, params, self.max_seq_len, self.vocab_size)
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        on_event: Callable[[Event], None],
+        incremental_text: bool = True,
+    ) -> int:
+        """Queue a request in the child; `on_event` is called from the reader thread (or through `deliver`)."""
+        self.check_health()
+        self.validate(prompt_ids, params)
+        request_id = next(self._ids)
+        with self._lock:
+            self._pending[request_id] = on_event  # before sending: its first event may come back at once
+        try:
+            self._send(("submit", request_id, list(prompt_ids), params, incremental_text))
+        except BaseException:
+            self._forget(request_id)
+            raise
+        if self._error is not None and self._forget(request_id) is not None:
+            raise EngineDeadError(self._error)  # the reader failed the pending requests before this one joined
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request; its slot is free after the child's current step.
+
+        A request that has had no event yet finishes with an "abort" event at once: the child may
+        drop it from its waiting line without a word, and it must not count as in flight meanwhile.
+        """
+        with self._lock:
+            if request_id not in self._pending:
+                return
+            on_event = None if request_id in self._started else self._pending.pop(request_id)
+        if on_event is not None:
+            self._hand_over([(on_event, Event(request_id, [], "", finish_reason="abort"))])
+        try:
+            self._send(("cancel", request_id))
+        except EngineDeadError:
+            pass  # the reader fails every pending request
+
+    def _forget(self, request_id: int) -> Callable[[Event], None] | None:
+        with self._lock:
+            self._started.discard(request_id)
+            return self._pending.pop(request_id, None)
+
+    def stats(self) -> dict[str, Any]:
+        """The child's counters as of its last report (at most 0.1 s old while it works).
+
+        running + waiting counts what this process submitted and has not seen finish, so an
+        admission check sees a request the moment it is submitted, as with an in-process engine.
+        """
+        in_flight = len(self._pending)
+        running = min(self._stats.get("running", 0), in_flight)
+        return {**self._stats, "running": running, "waiting": in_flight - running}
+
+    def _send(self, message: tuple) -> None:
+        assert self._conn is not None, "start() the engine process first"
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError) as error:  # a closed pipe: the child is gone
+            raise EngineDeadError(self._error or f"engine process is gone ({error!r})") from error
+
+    # ---- the reader thread -------------------------------------------------------------------
+    def _read(self) -> None:
+        assert self._conn is not None and self._process is not None
+        try:
+            while True:
+                kind, payload = self._conn.recv()
+                if kind == "events":
+                    self._dispatch(payload)
+                elif kind == "stats":
+                    self._stats = payload
+                elif kind == "dead":
+                    self._error = payload
+                    break
+        except (EOFError, OSError):
+            pass
+        if self._stopping:
+            return
+        self._process.join(timeout=5)
+        self._error = self._error or f"engine process exited unexpectedly (exit code {self._process.exitcode})"
+        logger.error("%s; failing %d pending requests", self._error, len(self._pending))
+        self._fail_pending(f"engine failed: {self._error}")
+
+    def _dispatch(self, packed: list[tuple]) -> None:
+        batch: list[tuple[Callable[[Event], None], Event]] = []
+        with self._lock:
+            for fields in packed:
+                event = Event(*fields)
+                request_id = event.request_id
+                if event.finished:
+                    self._started.discard(request_id)
+                    on_event = self._pending.pop(request_id, None)
+                else:
+                    self._started.add(request_id)
+                    on_event = self._pending.get(request_id)
+                if on_event is not None:  # None: cancelled before it started, or failed
+                    batch.append((on_event, event))
+        self._hand_over(batch)
+
+    def _hand_over(self, batch: list[tuple[Callable[[Event], None], Event]]) -> None:
+        if not batch:
+            return
+        if self._deliver is not None:
+            self._deliver(batch)
+            return
+        for on_event, event in batch:
+            on_event(event)
+
+    def _fail_pending(self, error: str) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self._started.clear()
+        batch = [(on_event, Event(i, [], "", finish_reason="error", error=error)) for i, on_event in pending.items()]
+        try:
+            self._hand_over(batch)
+        except Exception:  # a consumer's callback must not hide the failure from the others
+            logger.exception("could not deliver the engine failure")
+
+
+# ---- the child -----------------------------------------------------------------------------------
+class _RequestTag:
+    """The child's `on_event` for a request: never called (events go out in batches), it names the parent's id."""
+
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+
+    def __call__(self, event: Event) -> None:
+        raise AssertionError("the engine process delivers events in batches")
+
+
+def _pack(request_id: int, event: Event) -> tuple:
+    """An event as a tuple in Event's field order, under the parent's request id (tuples pickle faster)."""
+    return (
+        request_id,
+        event.token_ids,
+        event.text,
+        event.finish_reason,
+        event.prompt_tokens,
+        event.completion_tokens,
+        event.seed,
+        event.error,
+    )
+
+
+def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
+    """Build and warm the engine, report ready, then serve the parent's commands until it says stop or dies."""
+    from gpt2_platform import checkpoint
+    from gpt2_platform.tokenizer import load_tokenizer
+
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides when this process stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not logging.getLogger().handlers:  # a fresh interpreter: the parent's logging setup did not come along
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine process] %(message)s"
+        )
+    send_lock = threading.Lock()
+    finished: deque[int] = deque()  # parent ids the engine finished, for the command thread to forget
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    def deliver(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
+        """On the engine thread, once per loop iteration: all of its events in one message."""
+        packed = []
+        for tag, event in batch:
+            packed.append(_pack(tag.request_id, event))
+            if event.finished:
+                finished.append(tag.request_id)
+        send(("events", packed))
+
+    try:
+        engine = Engine(checkpoint.load_pretrained(spec.model), load_tokenizer(spec.tokenizer), spec.config)
+        engine.deliver_in_batches(deliver)
+        engine.start(spec.warmup, spec.modes)
+    except BaseException:
+        send(("failed", traceback.format_exc()))
+        return
+    try:
+        info = {"max_seq_len": engine.max_seq_len, "vocab_size": engine.runner.model.config.vocab_size}
+        send(("ready", {**info, "stats": engine.stats()}))
+        _serve_commands(conn, parent_pid, engine, send, finished)
+    except (EOFError, OSError):
+        pass  # the parent is gone
+    finally:
+        engine.shutdown()
+        conn.close()
+
+
+def _serve_commands(
+    conn: Connection, parent_pid: int, engine: Engine, send: Callable[[tuple], None], finished: deque[int]
+) -> None:
+    engine_ids: dict[int, int] = {}  # parent's request id -> the engine's, for cancel
+    last_stats, last_stats_at = None, 0.0
+    while os.getppid() == parent_pid:
+        if conn.poll(_POLL_S):
+            command, *args = conn.recv()
+            if command == "shutdown":
+                return
+            if command == "submit":
+                _submit(engine, engine_ids, send, *args)
+            elif command == "cancel" and args[0] in engine_ids:
+                engine.cancel(engine_ids.pop(args[0]))  # one is enough; a waiting request never finishes
+        while finished:
+            engine_ids.pop(finished.popleft(), None)
+        try:
+            engine.check_health()
+        except EngineDeadError as error:
+            send(("dead", str(error)))
+            return
+        if time.monotonic() - last_stats_at >= _POLL_S:
+            stats, last_stats_at = engine.stats(), time.monotonic()
+            if stats != last_stats:
+                send(("stats", stats))
+                last_stats = stats
+
+
+def _submit(
+    engine: Engine,
+    engine_ids: dict[int, int],
+    send: Callable[[tuple], None],
+    request_id: int,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    incremental_text: bool,
+) -> None:
+    tag = _RequestTag(request_id)
+    try:
+        engine_ids[request_id] = engine.submit(prompt_ids, params, tag, incremental_text)
+    except (ValueError, EngineDeadError) as error:  # the parent validated; this is the engine refusing anyway
+        send(("events", [(request_id, [], "", "error", len(prompt_ids), 0, 0, f"engine refused: {error}")]))
