@@ -68,7 +68,7 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and device.type == "cuda"
         # The LM head, padded to a multiple of 64 rows: cuBLAS has no fast kernel for an odd row count
         # such as GPT-2's 50257. On an H200 the head took 155 us at batch 64 and 212 us at 256; padded to
-        # 50304 rows, 24 and 34 us (.device_results gemv probe, 2026-12-01). The extra rows are zeros,
+        # 50304 rows, 24 and 34 us (jobs/probes/linear_kernels.py, 2026-12-01). The extra rows are zeros,
         # and the logits are cut to `vocab_limit` anyway.
         head = self.model.lm_head.weight
         padded_rows = -(-head.shape[0] // 64) * 64
