@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,19 +76,31 @@ class GenerateBatch:
         from gpt2_platform.engine.engine import Engine, EngineConfig
         from gpt2_platform.tokenizer import load_tokenizer
 
+        started = time.perf_counter()
         self.spec = spec
         # done_ids is [ObjectRef] (wrapped, so Ray does not resolve it into every constructor call's args).
         self.done: set[str] = set(ray.get(done_ids[0])) if done_ids else set()
         device = torch.device(spec.device)
         model = load_pretrained(spec.model, device=device).eval()
+        loaded = time.perf_counter()
         self.tokenizer = load_tokenizer(spec.tokenizer or spec.model)
         self.tokenizer.model_max_length = int(1e12)  # prompts are checked against the context here, not there
         # Ray Data may run several batches at once on this actor's threads (scaling.concurrent_batches_per_actor).
         self.tokenizer_lock = threading.Lock()
         self.engine = Engine(model, self.tokenizer, EngineConfig(**spec.engine), device=device)
+        built = time.perf_counter()
         self.engine.start(modes=sampling_modes(spec.generation, spec.input))
         self.max_seq_len = self.engine.max_seq_len
-        logger.info("engine ready on %s (%d ids already done)", device, len(self.done))
+        # Start-up is most of a small job's wall time: say where it went.
+        logger.info(
+            "engine ready on %s in %.1f s (model %.1f s, engine %.1f s, warm-up %.1f s), %d ids already done",
+            device,
+            time.perf_counter() - started,
+            loaded - started,
+            built - loaded,
+            time.perf_counter() - built,
+            len(self.done),
+        )
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         spec, columns = self.spec, self.spec.input
