@@ -49,6 +49,11 @@ def test_save_then_load_round_trips_exactly(tmp_path: Path) -> None:
     assert loaded.config == model.config
     assert_same_state(loaded, model)
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    # Built on the meta device and given the file's tensors: every parameter is real, contiguous,
+    # and trains (a transposed view would slow DDP's gradient buckets, a meta one would not run).
+    assert all(p.device.type == "cpu" and p.is_contiguous() and p.requires_grad for p in loaded.parameters())
+    ids = random_ids(2, 20, seed=3)
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), atol=0, rtol=0)
 
 
 def test_load_pretrained_casts_dtype(tmp_path: Path) -> None:

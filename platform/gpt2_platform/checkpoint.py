@@ -71,7 +71,7 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.T
         if not name.startswith(("transformer.", "lm_head.")):
             name = "transformer." + name
         if name.endswith(_CONV1D_SUFFIXES):
-            tensor = tensor.t()
+            tensor = tensor.t().contiguous()  # these become the parameters themselves (load_pretrained)
         out[name] = tensor
     out.setdefault("lm_head.weight", out.get("transformer.wte.weight"))
     return out
@@ -196,11 +196,15 @@ def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, devic
         )
     config = config_from_hf(AutoConfig.from_pretrained(directory))
     state_dict = from_hf_state_dict(load_file(str(weights)))
-    model = GPT2(config)
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    # Built on the meta device, the model allocates and randomly initialises nothing: the file's tensors
+    # become its parameters. (Initialising first cost 1.5B random draws for gpt2-xl, only to overwrite them.)
+    with torch.device("meta"):
+        model = GPT2(config)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
     missing = [name for name in missing if name != "lm_head.weight"]
     if missing or unexpected:
         raise ValueError(
             f"{weights} does not match a GPT-2 of this shape: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    model.lm_head.weight = model.transformer.wte.weight  # assign replaced wte's parameter: tie the head again
     return model.to(device=device, dtype=dtype)
