@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import time
 import urllib.parse
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,6 +55,9 @@ class LevelResult:
     ttft_p99_ms: float
     per_token_p50_ms: float
     per_token_p99_ms: float
+    client_cpu_pct: float
+    """The busiest client process's CPU time over the level's wall time: near 100, the load generator,
+    not the server, sets the pace (use --client-processes)."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -92,10 +97,12 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> RequestResult:
     return RequestResult(True, 200, first_chunk_at - started, ended - started, completion_tokens)
 
 
-async def run_level(client: httpx.AsyncClient, base_body: dict, concurrency: int, num_requests: int, prompt_len: int):
-    """Keep `concurrency` requests in flight until `num_requests` finished; summarise them."""
+async def run_requests(
+    client: httpx.AsyncClient, base_body: dict, concurrency: int, indices: range, prompt_len: int
+) -> list[RequestResult]:
+    """Keep `concurrency` requests in flight until the requests of `indices` finished."""
     queue: asyncio.Queue[int] = asyncio.Queue()
-    for index in range(num_requests):
+    for index in indices:
         queue.put_nowait(index)
     results: list[RequestResult] = []
 
@@ -108,12 +115,77 @@ async def run_level(client: httpx.AsyncClient, base_body: dict, concurrency: int
             except httpx.HTTPError:
                 results.append(RequestResult(ok=False, status=0))
 
-    started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return summarise(concurrency, results, time.perf_counter() - started)
+    return results
 
 
-def summarise(concurrency: int, results: list[RequestResult], seconds: float) -> LevelResult:
+@dataclass(frozen=True)
+class ClientShare:
+    """One client process's part of a level (picklable: it crosses to a spawned process)."""
+
+    url: str
+    headers: dict
+    timeout_s: float
+    base_body: dict
+    concurrency: int
+    indices: range
+    prompt_len: int
+    start_at: float
+    """time.time() at which every client process starts its requests."""
+
+
+def run_share(share: ClientShare) -> tuple[list[RequestResult], float, float]:
+    """Run one share on its own event loop: its results, its CPU seconds, and time.time() at its end."""
+
+    async def run() -> tuple[list[RequestResult], float, float]:
+        limits = httpx.Limits(max_connections=share.concurrency + 4, max_keepalive_connections=share.concurrency)
+        async with httpx.AsyncClient(
+            base_url=share.url, headers=share.headers, timeout=share.timeout_s, limits=limits
+        ) as client:
+            await asyncio.sleep(max(0.0, share.start_at - time.time()))
+            cpu = time.process_time()
+            results = await run_requests(client, share.base_body, share.concurrency, share.indices, share.prompt_len)
+            return results, time.process_time() - cpu, time.time()
+
+    return asyncio.run(run())
+
+
+def run_level(
+    pool: ProcessPoolExecutor | None, args: argparse.Namespace, headers: dict, base_body: dict, concurrency: int
+) -> LevelResult:
+    """Keep `concurrency` requests in flight, over the client processes, until the level's requests finished.
+
+    One Python process parsing every SSE chunk can become the bottleneck of the measurement itself
+    (httpx spends tens of microseconds a chunk); `--client-processes` splits the load, and every
+    level reports how busy its busiest client process was.
+    """
+    num_requests = args.requests or max(8, 4 * concurrency)
+    processes = min(args.client_processes, concurrency)
+    start_at = time.time() + (2.0 if pool is not None else 0.0)  # every process connected and waiting
+    shares = [
+        ClientShare(
+            args.url,
+            headers,
+            args.timeout_s,
+            base_body,
+            len(range(i, concurrency, processes)),
+            range(i, num_requests, processes),
+            args.prompt_tokens,
+            start_at,
+        )
+        for i in range(processes)
+    ]
+    if pool is None:
+        outcomes = [run_share(shares[0])]
+    else:
+        outcomes = list(pool.map(run_share, shares))
+    seconds = max(end for _, _, end in outcomes) - start_at
+    results = [r for share_results, _, _ in outcomes for r in share_results]
+    busiest = max(cpu for _, cpu, _ in outcomes)
+    return summarise(concurrency, results, seconds, 100.0 * busiest / seconds)
+
+
+def summarise(concurrency: int, results: list[RequestResult], seconds: float, client_cpu_pct: float) -> LevelResult:
     done = [r for r in results if r.ok]
     ttft_ms = [r.ttft_s * 1e3 for r in done]
     per_token_ms = [(r.total_s - r.ttft_s) / (r.completion_tokens - 1) * 1e3 for r in done if r.completion_tokens > 1]
@@ -128,45 +200,61 @@ def summarise(concurrency: int, results: list[RequestResult], seconds: float) ->
         ttft_p99_ms=percentile(ttft_ms, 99),
         per_token_p50_ms=percentile(per_token_ms, 50),
         per_token_p99_ms=percentile(per_token_ms, 99),
+        client_cpu_pct=client_cpu_pct,
     )
 
 
 def as_markdown(levels: list[LevelResult]) -> str:
     lines = [
-        "| concurrency | requests (failed) | requests/s | generated tokens/s | TTFT p50 / p99 ms | per token p50 / p99 ms |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| concurrency | requests (failed) | requests/s | generated tokens/s | TTFT p50 / p99 ms "
+        "| per token p50 / p99 ms | client CPU % |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for level in levels:
         lines.append(
             f"| {level.concurrency} | {level.requests} ({level.failed}) | {level.requests_per_s:.2f} "
             f"| {level.generated_tokens_per_s:.0f} | {level.ttft_p50_ms:.1f} / {level.ttft_p99_ms:.1f} "
-            f"| {level.per_token_p50_ms:.2f} / {level.per_token_p99_ms:.2f} |"
+            f"| {level.per_token_p50_ms:.2f} / {level.per_token_p99_ms:.2f} | {level.client_cpu_pct:.0f} |"
         )
     return "\n".join(lines)
 
 
-async def sweep(args: argparse.Namespace) -> tuple[str, list[LevelResult]]:
+def sweep(args: argparse.Namespace) -> tuple[str, list[LevelResult]]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 4, max_keepalive_connections=max(args.concurrency))
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout_s, limits=limits) as client:
-        models = await client.get("/v1/models")
+    with httpx.Client(base_url=args.url, headers=headers, timeout=args.timeout_s) as client:
+        models = client.get("/v1/models")
         models.raise_for_status()
         model = models.json()["data"][0]["id"]
-        base_body = {
-            "model": model,
-            "max_tokens": args.max_tokens,
-            "temperature": args.temperature,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        await run_level(client, base_body, 1, 2, args.prompt_tokens)  # warm the connection and the replica
-        levels = []
+    base_body = {
+        "model": model,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    warm = ClientShare(args.url, headers, args.timeout_s, base_body, 1, range(2), args.prompt_tokens, 0.0)
+    run_share(warm)  # warm the replica
+    levels = []
+    pool = None
+    if args.client_processes > 1:
+        pool = ProcessPoolExecutor(args.client_processes, mp_context=multiprocessing.get_context("spawn"))
+    try:
         for concurrency in args.concurrency:
-            num_requests = args.requests or max(8, 4 * concurrency)
-            levels.append(await run_level(client, base_body, concurrency, num_requests, args.prompt_tokens))
+            levels.append(run_level(pool, args, headers, base_body, concurrency))
             print(as_markdown(levels[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
-        stats = await client.get("/v1/engine/stats")  # how the replica actually batched (our app only)
+            if levels[-1].client_cpu_pct > 85:
+                print(
+                    f"warning: a client process was {levels[-1].client_cpu_pct:.0f}% busy at concurrency "
+                    f"{concurrency}; the load generator may be what limits this level (try --client-processes)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    with httpx.Client(base_url=args.url, headers=headers, timeout=args.timeout_s) as client:
+        stats = client.get("/v1/engine/stats")  # how the replica actually batched (our app only)
         if stats.status_code == 200:
             print(f"engine stats: {stats.json()}", file=sys.stderr, flush=True)
     return model, levels
@@ -182,6 +270,9 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--api-key", default=os.environ.get("GPT2_API_KEY"), help="default: $GPT2_API_KEY")
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument(
+        "--client-processes", type=int, default=1, help="split each level's requests over this many client processes"
+    )
     parser.add_argument("--json-out", type=Path)
     started = parser.add_argument_group("a local app started by this script (fresh weights, byte tokenizer)")
     started.add_argument("--start-preset", help="e.g. gpt2: deploy this preset first, on a GPU if there is one")
@@ -214,7 +305,7 @@ def main() -> int:
         )
         print(f"replica ready in {app['replica_ready_s']:.1f} s on {app['num_gpus']} GPU(s)", flush=True)
     try:
-        model, levels = asyncio.run(sweep(args))
+        model, levels = sweep(args)
     finally:
         if app is not None:
             serve_app.stop()
