@@ -185,3 +185,19 @@ def test_a_stream_releases_everything_at_the_end_and_a_longer_word_is_not_a_term
     assert sent == ["one ", "", "", "", "", "zapping ", "two"]
     sent, verdict = feed_all(CompletionGuard(moderator("zap")), ["one ", "zap"])  # a term at the very end
     assert verdict is not None and sent == ["one "]
+
+
+def test_a_stream_sends_no_word_of_a_blocked_phrase_before_the_phrase_completes():
+    pieces = ["we ", "saw ", "a ", "forbidden", " ", "phrase", " here"]
+    sent, verdict = feed_all(CompletionGuard(moderator("forbidden phrase", "zap")), pieces)
+    assert verdict == Verdict("completion", "blocklist term 'forbidden phrase'")
+    assert "".join(sent) == "we saw a "  # "forbidden" waited for the word after it, which completed the phrase
+
+
+def test_a_stream_releases_the_held_words_once_no_phrase_can_complete():
+    pieces = ["a ", "forbidden", " ", "fruit", " is", " sweet"]
+    sent, verdict = feed_all(CompletionGuard(moderator("forbidden phrase")), pieces)
+    assert verdict is None
+    assert "".join(sent) == "a forbidden fruit is sweet"
+    assert sent[:3] == ["", "", "a "]  # "a " waits until "forbidden" is whole: one more word could follow
+    assert sent[3:5] == ["", "forbidden "]  # "forbidden" waits until "fruit" is whole and not "phrase"

@@ -42,6 +42,7 @@ CONTENT_FILTER = "content_filter"
 """The finish_reason of a completion withheld by moderation (OpenAI's value)."""
 
 _TRAILING_WORD = re.compile(r"\S*\Z")
+_LAST_WORD = re.compile(r"\S*\s*\Z")  # searched up to an end position: the last whole word before it
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Blocklist:
     def __init__(self, terms: list[str]) -> None:
         # Normalized (lower case, single spaces) -> the term as configured, for the reason.
         self.terms = {_normalize(term): term.strip() for term in terms}
+        self.max_words = max((len(term.split()) for term in self.terms), default=0)
         # Longest first, so that of two terms starting at the same place the longer one is reported.
         alternatives = "|".join(
             r"\s+".join(re.escape(word) for word in term.split()) for term in sorted(self.terms, key=len, reverse=True)
@@ -178,13 +180,15 @@ class Moderator:
 class CompletionGuard:
     """Moderates one streamed completion: releases its text only as far as checks have passed on it.
 
-    The word still being written (the text after the last whitespace) is held back until it ends, so a
-    blocked term is never sent, not even in part. Of a blocked phrase, the words before its last one may
-    already have been sent.
+    The word still being written (the text after the last whitespace) is held back until it ends, and
+    so are as many whole words before it as the longest blocklist phrase has words after its first: a
+    blocked term or phrase is never sent, not even in part. (A user callable's phrases are unknown to
+    the guard; for those, only the word being written is held back.)
     """
 
     def __init__(self, moderator: Moderator) -> None:
         self.moderator = moderator
+        self.hold_words = max(moderator.blocklist.max_words - 1, 0)
         self.text = ""
         self.num_released = 0
 
@@ -194,9 +198,16 @@ class CompletionGuard:
         verdict = self.moderator.check_completion(self.text, final=finished)
         if verdict is not None:
             return "", verdict
-        end = len(self.text) if finished else _TRAILING_WORD.search(self.text).start()
+        end = len(self.text) if finished else self._safe_end()
         released, self.num_released = self.text[self.num_released : end], max(end, self.num_released)
         return released, None
+
+    def _safe_end(self) -> int:
+        """Where the text that no later word can still turn into a blocked phrase ends."""
+        end = _TRAILING_WORD.search(self.text).start()
+        for _ in range(self.hold_words):
+            end = _LAST_WORD.search(self.text, 0, end).start()
+        return end
 
 
 def read_blocklist_file(path: str) -> list[str]:
