@@ -29,6 +29,18 @@ def configure_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def configure_worker_logging(level: int = logging.INFO) -> None:
+    """In a Ray worker process: show this package's log lines (Ray forwards the worker's stderr to the
+    driver). Only the package's logger is set, so Ray's own loggers in the worker keep their levels."""
+    package = logging.getLogger("gpt2_platform")
+    package.setLevel(level)
+    if not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        package.addHandler(handler)
+        package.propagate = False
+
+
 def run_main(run: Callable[[], None]) -> int:
     """Run an entry point; user errors print `error: ...` and return 2."""
     configure_logging()

@@ -74,8 +74,10 @@ class GenerateBatch:
 
         from gpt2_platform.checkpoint import load_pretrained
         from gpt2_platform.engine.engine import Engine, EngineConfig
+        from gpt2_platform.jobs_common import configure_worker_logging
         from gpt2_platform.tokenizer import load_tokenizer
 
+        configure_worker_logging()
         started = time.perf_counter()
         self.spec = spec
         # done_ids is [ObjectRef] (wrapped, so Ray does not resolve it into every constructor call's args).
