@@ -1,0 +1,99 @@
+"""What goes in and out of the engine: its config, a request's parameters, the events and completions
+it hands back, and the checks a request must pass. Plain data, shared by the engine, the engine process
+and the servers in front of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpt2_platform.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 32
+    """Sequences decoded together (KV cache slots)."""
+    max_seq_len: int | None = None
+    """Prompt plus generated tokens per sequence; None: the model's context."""
+    dtype: str = "auto"
+    """auto (bf16 on a GPU that has it, else fp32), bf16, fp16 or fp32."""
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs (GPU only)."""
+    compile: bool = False
+    """torch.compile the decode step (dynamic shapes: one compilation covers every bucket) before capture."""
+    max_prefill_tokens: int = 4096
+    """Prompt tokens admitted per iteration, bounding how long running sequences wait for a prefill."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
+            raise ValueError(f"dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 16
+    """Tokens to generate at most."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the generation; they are not part of the text."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-text token."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Event:
+    """What one request got from one engine step."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seed: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    """A finished request, as `generate()` returns it."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    seed: int
+    error: str | None = None
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; the replica must be replaced."""
+
+
+def validate_request(prompt_ids: list[int], params: GenerationParams, max_seq_len: int, vocab_size: int) -> None:
+    """Raise ValueError for a request an engine of this context and vocabulary cannot take, naming what is wrong."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty; send at least one token of text")
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    total = len(prompt_ids) + params.max_tokens
+    if total > max_seq_len:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total}, over the "
+            f"context of {max_seq_len} tokens; shorten the prompt or lower max_tokens"
+        )
+    if any(not 0 <= t < vocab_size for t in prompt_ids):
+        raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab_size})")
+    params.sampling.validate()
