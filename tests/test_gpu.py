@@ -123,3 +123,36 @@ def test_a_sampling_mode_left_out_of_the_warm_up_is_captured_on_first_use():
         finally:
             engine.shutdown()
     assert results[0] == results[1]
+
+
+def test_compiled_graphs_of_every_sampling_mode_match_the_eager_graphs_on_gpu():
+    # What holds `compile` back as a serving default: every mode's compiled graph, checked on a GPU.
+    from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams
+    from gpt2_platform.engine.sampling import SamplingParams
+    from gpt2_platform.tokenizer import byte_tokenizer
+
+    torch.manual_seed(0)
+    model = GPT2(preset("tiny"))
+    requests = [
+        ([1, 2, 3], GenerationParams(max_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=0))),
+        ([4, 5], GenerationParams(max_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=0.9, seed=7))),
+        (
+            [6],
+            GenerationParams(
+                max_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=0.9, top_p=0.8, seed=8)
+            ),
+        ),
+    ]
+    outputs = []
+    for compile_step in (False, True):
+        config = EngineConfig(max_batch_size=4, max_seq_len=32, dtype="fp32", compile=compile_step)
+        engine = Engine(model, byte_tokenizer(), config).start()
+        try:
+            alone = [engine.generate([prompt], params)[0].token_ids for prompt, params in requests]
+            together = engine.generate([p for p, _ in requests], [params for _, params in requests])
+            assert [c.token_ids for c in together] == alone
+            assert {mode for _, _, mode in engine.runner.graphs} == {"greedy", "plain", "filtered"}
+            outputs.append(alone)
+        finally:
+            engine.shutdown()
+    assert outputs[0] == outputs[1]
