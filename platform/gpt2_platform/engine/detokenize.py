@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import logging
 import random
+from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -84,7 +85,7 @@ class IncrementalDetokenizer:
         return delta
 
 
-def find_stop(text: str, stops: list[str], search_from: int) -> int | None:
+def find_stop(text: str, stops: Sequence[str], search_from: int) -> int | None:
     """Index in `text` where the earliest stop string begins, looking at text after `search_from`."""
     best = None
     for stop in stops:

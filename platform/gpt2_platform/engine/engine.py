@@ -49,6 +49,7 @@ class _Sequence:
     slot: int = -1
     generated: list[int] = field(default_factory=list)
     emitted_chars: int = 0
+    hold: int = 0  # characters held back: a tail that could still grow into a stop string
     in_flight: int = 0  # launched steps whose token for it is not yet taken in (0, 1 or 2)
     submitted_at: float = field(default_factory=time.perf_counter)
 
@@ -167,6 +168,7 @@ class Engine:
             on_event,
             IncrementalDetokenizer(self.tokenizer, self.byte_table),
             incremental=incremental_text or bool(params.stop),
+            hold=max((len(stop) - 1 for stop in params.stop), default=0),
         )
         with self._wakeup:
             self._waiting.append(sequence)
@@ -360,7 +362,7 @@ class Engine:
         before = len(detokenizer.text)
         detokenizer.add(token)
         if params.stop:
-            cut = find_stop(detokenizer.text, list(params.stop), before)
+            cut = find_stop(detokenizer.text, params.stop, before)
             if cut is not None:
                 self._finish(sequence, "stop", [token], self._pending_text(sequence, cut))
                 return
@@ -368,8 +370,7 @@ class Engine:
             self._finish(sequence, "length", [token], self._final_text(sequence))
             return
         # Hold back a tail that could still become a stop string.
-        hold = max((len(stop) - 1 for stop in params.stop), default=0)
-        text = self._pending_text(sequence, max(sequence.emitted_chars, len(detokenizer.text) - hold))
+        text = self._pending_text(sequence, max(sequence.emitted_chars, len(detokenizer.text) - sequence.hold))
         self._emit(sequence, Event(sequence.request_id, [token], text, seed=params.sampling.seed))
 
     def _final_text(self, sequence: _Sequence) -> str:
