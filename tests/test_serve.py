@@ -13,6 +13,8 @@ import json
 import random
 import re
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,6 +268,22 @@ def test_concurrent_requests_are_decoded_in_shared_batches(client, base_url):
     assert stats["max_batch_size_seen"] > 1
     shared = {size: count - before.get(size, 0) for size, count in stats["batch_sizes"].items() if int(size) > 1}
     assert sum(shared.values()) > 0, f"no decode step ran more than one sequence: {stats['batch_sizes']}"
+
+
+def test_the_load_generator_split_over_client_processes_counts_every_request(base_url, tmp_path):
+    # jobs/bench_serve.py against this app, its requests spread over two spawned client processes.
+    report = tmp_path / "bench.json"
+    script = Path(__file__).resolve().parents[1] / "jobs" / "bench_serve.py"
+    command = [sys.executable, str(script), "--url", base_url, "--api-key", API_KEY, "--json-out", str(report)]
+    command += ["--concurrency", "1", "3", "--requests", "6", "--prompt-tokens", "8", "--max-tokens", "5"]
+    done = subprocess.run([*command, "--client-processes", "2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    levels = json.loads(report.read_text())["levels"]
+    assert [(level["concurrency"], level["requests"], level["failed"]) for level in levels] == [(1, 6, 0), (3, 6, 0)]
+    for level in levels:
+        # Every request's 5 tokens counted once, whichever process sent it.
+        assert level["generated_tokens_per_s"] == pytest.approx(6 * 5 / level["seconds"])
+        assert 0 < level["client_cpu_pct"] < 100 and level["ttft_p50_ms"] > 0
 
 
 # ---- bad input: OpenAI-style 4xx, never a 5xx --------------------------------------------------------
