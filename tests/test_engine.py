@@ -152,8 +152,10 @@ def test_eos_ends_a_request_unless_ignored(model, tokenizer):
 def test_the_compile_option_reaches_the_decode_step(model, tokenizer):
     plain = Engine(model, tokenizer, EngineConfig(max_batch_size=2, max_seq_len=64, dtype="fp32"))
     compiled = Engine(model, tokenizer, EngineConfig(max_batch_size=2, max_seq_len=64, dtype="fp32", compile=True))
-    assert plain.runner.step == plain.runner._decode_step
-    assert compiled.runner.step != compiled.runner._decode_step  # torch.compile's wrapper, compiled on first use
+    assert not plain.runner.compiled and plain.runner.forward == plain.runner._forward
+    # torch.compile's wrappers, compiled on first use
+    assert compiled.runner.compiled and compiled.runner.forward != compiled.runner._forward
+    assert compiled.runner.pick != compiled.runner._pick
 
 
 def test_a_compiled_decode_step_generates_what_the_eager_one_does(model, tokenizer):

@@ -98,12 +98,17 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Compiled with dynamic shapes, the step fuses its small kernels (layer norms, GELU,
         # residuals, cache writes) once for every bucket; the graphs are then captured around it.
-        self.step = self._decode_step
+        # Two compiled parts: the model, the same for every sampling mode, and the small pick of the
+        # tokens, one variant per mode. Compiled whole, the model was compiled again for every mode,
+        # which tripled the warm-up (137.8 s on an H200, cold).
+        self.forward, self.pick = self._forward, self._pick
+        self.compiled = compile_step
         if compile_step:
-            # One compiled variant per sampling mode, and batch 1 is specialised: past dynamo's
-            # default limit of 8 it would quietly fall back to eager for the rest.
+            # Batch 1 is specialised, and `pick` has one variant per mode: past dynamo's default
+            # limit of 8 it would quietly fall back to eager for the rest.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-            self.step = torch.compile(self._decode_step, dynamic=True)
+            self.forward = torch.compile(self._forward, dynamic=True)
+            self.pick = torch.compile(self._pick, dynamic=True)
 
     def set_sampling(self, slot: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
         """A new sequence's sampling parameters, kept on the device for every later step."""
@@ -163,7 +168,12 @@ class ModelRunner:
         return torch.nn.functional.linear(hidden, self.head)[..., : self.vocab_limit]
 
     def _decode_step(self, batch: int, span: int, mode: str) -> torch.Tensor:
-        """One token for rows [:batch], attending over [0, span); reads and advances only the static buffers.
+        """One token for rows [:batch], attending over [0, span); reads and advances only the static buffers."""
+        logits, positions, steps = self.forward(batch, span)
+        return self.pick(logits, positions, steps, mode)
+
+    def _forward(self, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The logits `(B, vocab)` of rows [:batch], and the positions and steps they were computed at.
 
         A row's inputs come from `staged` where the host fed them, else from what the previous step left.
         """
@@ -174,7 +184,11 @@ class ModelRunner:
         steps = torch.where(fed, staged[2], self.steps[:batch])
         view = self.cache.decode(positions, span)
         hidden = self.model.hidden(tokens[:, None], positions=positions[:, None], cache=view)  # (B, 1, C)
-        logits = self._logits(hidden[:, -1])
+        return self._logits(hidden[:, -1]), positions, steps
+
+    def _pick(self, logits: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor, mode: str) -> torch.Tensor:
+        """Each row's next token, left with its position + 1 and step + 1 as the next step's inputs."""
+        batch = logits.shape[0]
         if mode == "greedy":
             # The same argmax `sample` takes for temperature-0 rows, without its sort and noise.
             out = torch.argmax(logits.float(), dim=-1)
@@ -188,8 +202,8 @@ class ModelRunner:
                 steps,
                 filtered=mode == "filtered",
             )
-        # Leave the next step's inputs. A row whose sequence ended runs once more before the host
-        # knows; clamping keeps its cache write inside the cache.
+        # A row whose sequence ended runs once more before the host knows; clamping keeps its
+        # cache write inside the cache.
         self.tokens[:batch] = out
         self.positions[:batch] = torch.clamp(positions + 1, max=self.max_seq_len - 1)
         self.steps[:batch] = steps + 1
@@ -221,7 +235,7 @@ class ModelRunner:
             graph, out = self.graphs.get((batch, span, mode)) or self._capture(batch, span, mode)
             graph.replay()
         else:
-            out = self.step(batch, span, mode)
+            out = self._decode_step(batch, span, mode)
         result = self.host_out[buffer]
         result[:active].copy_(out[:active], non_blocking=True)
         done = None
@@ -240,11 +254,11 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up kernels (and cuBLAS workspaces) outside the graph
-                self.step(batch, span, mode)
+                self._decode_step(batch, span, mode)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool()):
-            out = self.step(batch, span, mode)
+            out = self._decode_step(batch, span, mode)
         self.graphs[(batch, span, mode)] = (graph, out)
         return graph, out
 
@@ -272,7 +286,7 @@ class ModelRunner:
                     if self.use_graphs:
                         self._capture(batch, span, mode)
                     else:
-                        self.step(batch, span, mode)
+                        self._decode_step(batch, span, mode)
         for width in self.prefill_buckets:
             self.prefill([[0] * width], [0])
         if self.device.type == "cuda":
