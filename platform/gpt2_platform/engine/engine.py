@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from gpt2_platform.engine.detokenize import ByteTable, IncrementalDetokenizer, find_stop
 from gpt2_platform.engine.requests import (
     Completion,
+    Deliver,
     EngineConfig,
     EngineDeadError,
     Event,
@@ -96,7 +97,7 @@ class Engine:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         # With deliver_in_batches: the events of one loop iteration, handed over together at its end.
-        self._deliver: Callable[[list[tuple[Callable[[Event], None], Event]]], None] | None = None
+        self._deliver: Deliver | None = None
         self._outbox: list[tuple[Callable[[Event], None], Event]] = []
         self._in_flight: tuple[Launch, list[_Sequence]] | None = None  # the step launched, not yet collected
         # Counters, read by stats(): how the engine actually batched its work.
@@ -130,7 +131,7 @@ class Engine:
         if self._thread is None or not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
 
-    def deliver_in_batches(self, deliver: Callable[[list[tuple[Callable[[Event], None], Event]]], None]) -> None:
+    def deliver_in_batches(self, deliver: Deliver) -> None:
         """Hand each loop iteration's events to `deliver` in one call, as (on_event, event) pairs.
 
         By default every event calls its request's `on_event` on the engine thread. A server whose

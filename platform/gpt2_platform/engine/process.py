@@ -28,12 +28,19 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams, validate_request
+from gpt2_platform.engine.engine import Engine
+from gpt2_platform.engine.requests import (
+    Deliver,
+    EngineConfig,
+    EngineDeadError,
+    Event,
+    GenerationParams,
+    validate_request,
+)
 from gpt2_platform.engine.runner import SAMPLING_MODES
 
 logger = logging.getLogger(__name__)
 
-Deliver = Callable[[list[tuple[Callable[[Event], None], Event]]], None]
 # How often the child checks on its parent and on its engine, and at most how often it sends stats.
 _POLL_S = 0.1
 

@@ -5,6 +5,7 @@ and the servers in front of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpt2_platform.engine.sampling import SamplingParams
@@ -63,6 +64,10 @@ class Event:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+Deliver = Callable[[list[tuple[Callable[[Event], None], Event]]], None]
+"""What `deliver_in_batches` takes: a function given one engine step's events as (on_event, event) pairs."""
 
 
 @dataclass

@@ -102,7 +102,6 @@ class ModelRunner:
         # tokens, one variant per mode. Compiled whole, the model was compiled again for every mode,
         # which tripled the warm-up (137.8 s on an H200, cold).
         self.forward, self.pick = self._forward, self._pick
-        self.compiled = compile_step
         if compile_step:
             # Batch 1 is specialised, and `pick` has one variant per mode: past dynamo's default
             # limit of 8 it would quietly fall back to eager for the rest.
