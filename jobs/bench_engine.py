@@ -4,7 +4,8 @@
     python jobs/bench_engine.py --preset tiny --batch-sizes 1 4 --new-tokens 16   # CPU smoke run
 
 Prints tokens/s for both at each batch size (same process, same prompts,
-greedy, 128 prompt + 128 new tokens by default) and the engine's decode step time.
+greedy, 128 prompt + 128 new tokens by default; each side's best of --runs timed runs) and the
+engine's decode step time.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per side and batch size; the best counts")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     configure_logging()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    result = run(args.preset, args.batch_sizes, args.prompt_tokens, args.new_tokens, args.dtype, device, args.compile)
+    result = run(
+        args.preset, args.batch_sizes, args.prompt_tokens, args.new_tokens, args.dtype, device, args.compile, args.runs
+    )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"{args.preset}, {args.prompt_tokens} prompt + {args.new_tokens} new tokens, {name}, torch {torch.__version__}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,17 @@ def configure_worker_logging(level: int = logging.INFO) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         package.addHandler(handler)
         package.propagate = False
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started, from Linux's /proc (None where there is none): how long a Ray
+    worker took to reach a line of ours, which a log line's timestamp alone cannot say."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+            return float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def run_main(run: Callable[[], None]) -> int:

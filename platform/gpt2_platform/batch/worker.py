@@ -25,6 +25,7 @@ from gpt2_platform.batch.rows import (
 from gpt2_platform.moderation import Moderator
 
 logger = logging.getLogger(__name__)
+IMPORTED_AT = time.time()  # when this module (and the engine, torch, transformers below it) finished importing
 
 # Ray's synthetic columns, read when the input has no id column.
 PATH_COLUMN = "path"
@@ -69,15 +70,17 @@ class GenerateBatch:
     """map_batches callable class: input rows (pyarrow) -> output rows (OUTPUT_SCHEMA), skipping done ids."""
 
     def __init__(self, spec: WorkerSpec, done_ids: list) -> None:
+        constructed_at = time.time()
         import ray
         import torch
 
         from gpt2_platform.checkpoint import load_pretrained
         from gpt2_platform.engine.engine import Engine, EngineConfig
-        from gpt2_platform.jobs_common import configure_worker_logging
+        from gpt2_platform.jobs_common import configure_worker_logging, process_age_s
         from gpt2_platform.tokenizer import load_tokenizer
 
         configure_worker_logging()
+        age = process_age_s()
         started = time.perf_counter()
         self.spec = spec
         # done_ids is [ObjectRef] (wrapped, so Ray does not resolve it into every constructor call's args).
@@ -93,7 +96,13 @@ class GenerateBatch:
         built = time.perf_counter()
         self.engine.start(modes=sampling_modes(spec.generation, spec.input))
         self.max_seq_len = self.engine.max_seq_len
-        # Start-up is most of a small job's wall time: say where it went.
+        # Start-up is most of a small job's wall time: say where it went, from the process's creation on.
+        if age is not None:
+            logger.info(
+                "actor process up %.1f s before its constructor ran (Ray worker start-up, then imports done at %.1f s)",
+                age,
+                age - (constructed_at - IMPORTED_AT),
+            )
         logger.info(
             "engine ready on %s in %.1f s (model %.1f s, engine %.1f s, warm-up %.1f s), %d ids already done",
             device,

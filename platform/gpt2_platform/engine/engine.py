@@ -78,7 +78,7 @@ class Engine:
             resolve_dtype(config.dtype, device),
             device,
             config.cuda_graphs,
-            compile_step=config.compile,
+            compile_step=device.type == "cuda" if config.compile is None else config.compile,
             vocab_limit=len(tokenizer),
         )
         if self.runner.vocab_limit < model.config.vocab_size:

@@ -21,8 +21,11 @@ class EngineConfig:
     """auto (bf16 on a GPU that has it, else fp32), bf16, fp16 or fp32."""
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs (GPU only)."""
-    compile: bool = False
-    """torch.compile the decode step (dynamic shapes: one compilation covers every bucket) before capture."""
+    compile: bool | None = None
+    """torch.compile the decode step (dynamic shapes: one compilation covers every bucket) before capture.
+
+    None: on CUDA only. On an H200 it made GPT-2's step 25% faster (docs/benchmarks.md); on a CPU its
+    warm-up takes minutes for little gain."""
     max_prefill_tokens: int = 4096
     """Prompt tokens admitted per iteration, bounding how long running sequences wait for a prefill."""
 

@@ -68,8 +68,9 @@ class AppArgs(BaseModel):
     """Weights and KV cache dtype; auto = bf16 on a GPU that has it, else fp32."""
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs (GPU only; ignored on CPU)."""
-    compile: bool = False
-    """torch.compile the decode step (fused kernels) before the graphs are captured; slower start-up."""
+    compile: bool | None = None
+    """torch.compile the decode step (fused kernels) before the graphs are captured; slower start-up.
+    None: on GPUs (faster steps there), not on CPUs (minutes of warm-up for little gain)."""
     gpu_monitor: bool | None = None
     """Start the per-node GPU exporters (`jobs/monitor.py start`) with the app; None: if the cluster has GPUs."""
     max_batch_size: int = Field(32, ge=1)

@@ -1,0 +1,140 @@
+"""Probe: the decode step's GPU time under different ways of compiling it (graph replay alone).
+
+    python jobs/probes/decode_step_variants.py [--device cuda] [--preset gpt2] [variant ...]
+
+Variants:
+  sdpa             compiled (dynamic shapes), attention by SDPA with a mask over the span bucket
+  flash            compiled, attention by flash attention's varlen kernel reading each row's
+                   keys up to its position (the engine's default on CUDA in half precision)
+  eager-sdpa       not compiled, SDPA (graphs captured around the eager step)
+  eager-flash      not compiled, flash
+  cublas           flash, with cuBLAS preferred over cuBLASLt for the linear layers
+  autotune         flash, dynamic=False + mode="max-autotune-no-cudagraphs" (Triton GEMM templates)
+
+For each: compile + capture seconds, replay ms at batch 1, 64 and 256 (position 200, span 256),
+kernels per batch-1 replay, and whether its greedy tokens at batch 64 match the eager SDPA step's. On CPU
+(--device cpu) the graphs are not captured and the times are plain calls: for checking
+that every variant compiles and agrees, not for its numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "platform"))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from gpt2_platform.engine import cache as cache_module  # noqa: E402
+from gpt2_platform.engine.runner import ModelRunner  # noqa: E402
+from gpt2_platform.model import GPT2, preset  # noqa: E402
+
+VARIANTS = ("sdpa", "flash", "eager-sdpa", "eager-flash", "cublas", "autotune")
+SPAN, POSITION, SLOTS = 256, 200, 256
+BATCHES = (1, 64, 256)
+
+
+def build(variant: str, device: torch.device, preset_name: str, dtype: torch.dtype) -> ModelRunner:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.backends.cuda.preferred_blas_library("cublas" if variant == "cublas" else "cublaslt")
+    model = GPT2(preset(preset_name))
+    flash = cache_module.flash_decode_supported
+    if variant.endswith("sdpa"):
+        cache_module.flash_decode_supported = lambda *_: False
+    try:
+        runner = ModelRunner(model, SLOTS, SPAN, dtype, device, cuda_graphs=device.type == "cuda")
+    finally:
+        cache_module.flash_decode_supported = flash
+    if variant.startswith("eager"):
+        return runner
+    torch._dynamo.config.cache_size_limit = 64
+    options = {"dynamic": variant != "autotune"}
+    if variant == "autotune":
+        options["mode"] = "max-autotune-no-cudagraphs"
+    runner.forward = torch.compile(runner._forward, **options)
+    runner.pick = torch.compile(runner._pick, **options)
+    return runner
+
+
+def step(runner: ModelRunner, batch: int) -> torch.Tensor:
+    rows = [(1 + row % 200, POSITION, 1) for row in range(batch)]
+    return torch.tensor(runner.decode([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]))
+
+
+def replay_ms(runner: ModelRunner, batch: int, repeats: int) -> float:
+    if not runner.use_graphs:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            step(runner, batch)
+        return (time.perf_counter() - started) * 1000 / repeats
+    graph, _ = runner.graphs[(batch, runner.span_buckets[-1], "greedy")]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def kernels_per_replay(runner: ModelRunner) -> tuple[int, list[str]]:
+    if not runner.use_graphs:
+        return 0, []
+    graph, _ = runner.graphs[(1, runner.span_buckets[-1], "greedy")]
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = [e for e in profiler.key_averages() if e.device_type.name == "CUDA"]
+    count = sum(e.count for e in events) // 10
+    top = sorted(events, key=lambda e: e.device_time_total, reverse=True)[:12]
+    return count, [f"{e.device_time_total / 10:8.1f} us  x{e.count // 10:3d}  {e.key[:90]}" for e in top]
+
+
+def probe(variant: str, device: torch.device, preset_name: str, dtype: torch.dtype, reference: torch.Tensor) -> dict:
+    runner = build(variant, device, preset_name, dtype)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        tokens = step(runner, 64)
+        for batch in BATCHES:
+            step(runner, batch)
+    result = {"compile_and_capture_s": round(time.perf_counter() - started, 1)}
+    repeats = 500 if device.type == "cuda" else 5
+    result |= {f"batch{b}_ms": round(replay_ms(runner, b, repeats), 4) for b in BATCHES}
+    result["greedy_agreement_b64"] = float((tokens == reference).float().mean())
+    result["kernels_b1"], result["top_kernels_b1"] = kernels_per_replay(runner)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--preset", default="gpt2")
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.inference_mode():
+        reference = step(build("eager-sdpa", device, args.preset, dtype), 64)
+    results = {}
+    for variant in args.variants:
+        try:
+            results[variant] = probe(variant, device, args.preset, dtype, reference)
+        except Exception as error:  # a variant that fails to compile is a result too
+            results[variant] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
+        print(variant, json.dumps(results[variant], indent=1), flush=True)
+        if args.json_out:
+            args.json_out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
