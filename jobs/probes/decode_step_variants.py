@@ -3,16 +3,17 @@
     python jobs/probes/decode_step_variants.py [--device cuda] [--preset gpt2] [variant ...]
 
 Variants:
-  sdpa             compiled (dynamic shapes), attention by SDPA with a mask over the span bucket
-  flash            compiled, attention by flash attention's varlen kernel reading each row's
-                   keys up to its position (the engine's default on CUDA in half precision)
-  eager-sdpa       not compiled, SDPA (graphs captured around the eager step)
-  eager-flash      not compiled, flash
-  cublas           flash, with cuBLAS preferred over cuBLASLt for the linear layers
-  autotune         flash, dynamic=False + mode="max-autotune-no-cudagraphs" (Triton GEMM templates)
+  compiled         what the engine does on CUDA: torch.compile(dynamic=True), cuBLASLt GEMMs
+  eager            not compiled (graphs captured around the eager step)
+  cublas           compiled, with cuBLAS preferred over cuBLASLt for the linear layers
+  autotune         dynamic=False + mode="max-autotune-no-cudagraphs" (Triton GEMM templates)
+
+At commit 5912346 this probe also compared flash attention's varlen kernel for the decode
+attention (reading each row's keys up to its own position) with masked SDPA; it was slower
+(docs/benchmarks.md) and left the engine.
 
 For each: compile + capture seconds, replay ms at batch 1, 64 and 256 (position 200, span 256),
-kernels per batch-1 replay, and whether its greedy tokens at batch 64 match the eager SDPA step's. On CPU
+kernels per batch-1 replay, and whether its greedy tokens at batch 64 match the eager step's. On CPU
 (--device cpu) the graphs are not captured and the times are plain calls: for checking
 that every variant compiles and agrees, not for its numbers.
 """
@@ -30,11 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "platform"))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from gpt2_platform.engine import cache as cache_module  # noqa: E402
 from gpt2_platform.engine.runner import ModelRunner  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
 
-VARIANTS = ("sdpa", "flash", "eager-sdpa", "eager-flash", "cublas", "autotune")
+VARIANTS = ("compiled", "eager", "cublas", "autotune")
 SPAN, POSITION, SLOTS = 256, 200, 256
 BATCHES = (1, 64, 256)
 
@@ -45,14 +45,8 @@ def build(variant: str, device: torch.device, preset_name: str, dtype: torch.dty
     if device.type == "cuda":
         torch.backends.cuda.preferred_blas_library("cublas" if variant == "cublas" else "cublaslt")
     model = GPT2(preset(preset_name))
-    flash = cache_module.flash_decode_supported
-    if variant.endswith("sdpa"):
-        cache_module.flash_decode_supported = lambda *_: False
-    try:
-        runner = ModelRunner(model, SLOTS, SPAN, dtype, device, cuda_graphs=device.type == "cuda")
-    finally:
-        cache_module.flash_decode_supported = flash
-    if variant.startswith("eager"):
+    runner = ModelRunner(model, SLOTS, SPAN, dtype, device, cuda_graphs=device.type == "cuda")
+    if variant == "eager":
         return runner
     torch._dynamo.config.cache_size_limit = 64
     options = {"dynamic": variant != "autotune"}
@@ -123,7 +117,7 @@ def main() -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.inference_mode():
-        reference = step(build("eager-sdpa", device, args.preset, dtype), 64)
+        reference = step(build("eager", device, args.preset, dtype), 64)
     results = {}
     for variant in args.variants:
         try:

@@ -1,8 +1,8 @@
 """Runs the model for the engine: batched prefill, and a decode step replayed as CUDA graphs.
 
 Decode shapes are bucketed, batch to a power of two and attention span to a
-power of two (one span with flash decoding, see engine/cache.py), so a small set
-of graphs covers every step. On CPU the same code runs eagerly.
+power of two, so a small set of graphs covers every step. On CPU the same
+code runs eagerly.
 """
 
 from __future__ import annotations
@@ -63,9 +63,7 @@ class ModelRunner:
         self.cache = KVCache(model.config, num_slots, max_seq_len, dtype, device)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.batch_buckets = buckets(num_slots, 1)
-        # Flash decoding reads each row's keys only up to its position, whatever the span: one span
-        # "bucket" then, and a third to a fifth of the graphs to capture.
-        self.span_buckets = [max_seq_len] if self.cache.flash_decode else buckets(max_seq_len, min(64, max_seq_len))
+        self.span_buckets = buckets(max_seq_len, min(64, max_seq_len))
         self.prefill_buckets = buckets(max_seq_len, min(16, max_seq_len))
         self.use_graphs = cuda_graphs and device.type == "cuda"
         # The LM head, padded to a multiple of 64 rows: cuBLAS has no fast kernel for an odd row count
