@@ -293,3 +293,19 @@ def test_a_plain_sampled_request_is_the_same_beside_a_top_k_neighbour(engine, to
     )
     together = engine.generate([tokenizer("erin")["input_ids"], prompt], [neighbour, plain])
     assert together[1].token_ids == alone.token_ids
+
+
+def test_the_two_pass_argmax_picks_what_argmax_picks_ties_included():
+    from gpt2_platform.engine.runner import argmax_in_blocks
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50257).to(torch.bfloat16)  # bf16: many exact ties between blocks
+    logits[1, 50256] = 100.0  # the max in the last, padded block
+    logits[2, [7, 3000, 40000]] = 100.0  # tied across blocks: the first wins
+    logits[3, [1030, 1025]] = 100.0  # tied within a block
+    logits[4] = 0.0  # all tied
+    expected = torch.argmax(logits.float(), dim=-1)
+    assert argmax_in_blocks(logits).tolist() == expected.tolist()
+    assert expected[1:5].tolist() == [50256, 7, 1025, 0]
+    for block in (1, 7, 64, 100000):
+        assert argmax_in_blocks(logits, block).tolist() == expected.tolist()

@@ -1,7 +1,8 @@
 """A static key/value cache with one slot per running sequence.
 
-Preallocated once: per layer, `(num_slots, n_head, max_seq_len, head_dim)` for keys
-and for values, so decoding never allocates and a CUDA graph can replay it. A
+Preallocated once: per layer, `(num_slots, 2, n_head, max_seq_len, head_dim)`, keys
+then values, so decoding never allocates and a CUDA graph can replay it. Keys and
+values share a tensor so that a step writes both in one kernel, not two. A
 sequence owns one slot from its prefill until it finishes; slot i is row i of
 every decode batch, so a decode step reads `[:batch, :, :span]` without a gather.
 
@@ -24,15 +25,16 @@ class KVCache:
     ) -> None:
         if max_seq_len > config.n_positions:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's context of {config.n_positions}")
-        shape = (num_slots, config.n_head, max_seq_len, config.n_embd // config.n_head)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        shape = (num_slots, 2, config.n_head, max_seq_len, config.n_embd // config.n_head)
+        # Read and written only through these tensors: a compiled step given both a layer's tensor and
+        # a view of it would see two aliased inputs, one of them written.
+        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        return sum(t.numel() * t.element_size() for t in self.kv)
 
     def prefill(self, slots: torch.Tensor, positions: torch.Tensor) -> PrefillView:
         """For a batch of prompts starting at position 0: rows go to `slots` `(B,)` at `positions` `(B, T)`."""
@@ -50,9 +52,9 @@ class PrefillView:
         self.cache, self.slots, self.positions = cache, slots[:, None], positions
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # Index (B, 1) x (B, T) around the head dim: the target is (B, T, nh, hs).
-        self.cache.k[layer][self.slots, :, self.positions] = k.transpose(1, 2)
-        self.cache.v[layer][self.slots, :, self.positions] = v.transpose(1, 2)
+        # Index (B, 1) x (B, T) around the head dim: the target is (B, T, 2, nh, hs).
+        kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=2)
+        self.cache.kv[layer][self.slots, :, :, self.positions] = kv
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -68,8 +70,7 @@ class DecodeView:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch = k.shape[0]
-        k_layer, v_layer = self.cache.k[layer], self.cache.v[layer]
-        k_layer[self.rows, :, self.positions] = k[:, :, 0]  # (B, nh, hs)
-        v_layer[self.rows, :, self.positions] = v[:, :, 0]
-        keys, values = k_layer[:batch, :, : self.span], v_layer[:batch, :, : self.span]
+        kv = self.cache.kv[layer]
+        kv[self.rows, :, :, self.positions] = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)  # (B, 2, nh, hs)
+        keys, values = kv[:batch, 0, :, : self.span], kv[:batch, 1, :, : self.span]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask)
