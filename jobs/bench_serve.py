@@ -277,7 +277,12 @@ def main() -> int:
     started = parser.add_argument_group("a local app started by this script (fresh weights, byte tokenizer)")
     started.add_argument("--start-preset", help="e.g. gpt2: deploy this preset first, on a GPU if there is one")
     started.add_argument("--max-batch-size", type=int, default=256)
-    started.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
+    started.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the engine's decode step (default: the app's own default, on GPUs only)",
+    )
     started.add_argument(
         "--stream-interval-ms", type=float, default=0.0, help="limits.stream_interval_ms (0: every token)"
     )

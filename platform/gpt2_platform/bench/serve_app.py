@@ -24,7 +24,7 @@ def start(
     port: int,
     max_batch_size: int,
     max_seq_len: int,
-    compile_step: bool = False,
+    compile_step: bool | None = None,
     gpu_monitor: bool | None = None,
     stream_interval_ms: float = 0.0,
     engine_process: bool = False,
