@@ -4,7 +4,7 @@ Preallocated once: per layer, `(num_slots, 2, n_head, max_seq_len, head_dim)`, k
 then values, so decoding never allocates and a CUDA graph can replay it. Keys and
 values share a tensor so that a step writes both in one kernel, not two. A
 sequence owns one slot from its prefill until it finishes; slot i is row i of
-every decode batch, so a decode step reads `[:batch, :, :span]` without a gather.
+every decode batch, so a decode step reads `[:batch, :, :, :span]` without a gather.
 
 One tensor per layer, not one for all layers: under torch.compile, a write into a
 view of a larger tensor is functionalized into a copy of that whole tensor, which
