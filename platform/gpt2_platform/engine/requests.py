@@ -25,7 +25,7 @@ class EngineConfig:
     """torch.compile the decode step (dynamic shapes: one compilation covers every bucket) before capture.
 
     None: on CUDA only. On an H200 it made GPT-2's step 25% faster (docs/benchmarks.md); on a CPU its
-    warm-up takes minutes for little gain."""
+    warm-up takes minutes (124 s for the tiny preset on 2 cores, jobs/probes/compile_warmup.py)."""
     max_prefill_tokens: int = 4096
     """Prompt tokens admitted per iteration, bounding how long running sequences wait for a prefill."""
 
