@@ -31,13 +31,24 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
+    parser.add_argument(
+        "--decode-kernels", default="auto", choices=["auto", "triton", "torch"], help="see EngineConfig.decode_kernels"
+    )
     parser.add_argument("--runs", type=int, default=3, help="timed runs per side and batch size; the best counts")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     configure_logging()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = run(
-        args.preset, args.batch_sizes, args.prompt_tokens, args.new_tokens, args.dtype, device, args.compile, args.runs
+        args.preset,
+        args.batch_sizes,
+        args.prompt_tokens,
+        args.new_tokens,
+        args.dtype,
+        device,
+        args.compile,
+        args.runs,
+        args.decode_kernels,
     )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(

@@ -15,6 +15,10 @@ _HOME = tempfile.mkdtemp(prefix="gpt2-platform-test-home-")
 os.environ["HOME"] = _HOME
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Without a GPU, the engine's Triton kernels run in Triton's interpreter (tests/test_kernels.py). Read
+# when the kernels are defined, so before anything imports the engine.
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from gpt2_platform import config as config_lib  # noqa: E402
 from gpt2_platform import demo_data  # noqa: E402

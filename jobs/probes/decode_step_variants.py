@@ -7,6 +7,10 @@ Variants:
   eager            not compiled (graphs captured around the eager step)
   cublas           compiled, with cuBLAS preferred over cuBLASLt for the linear layers
   autotune         dynamic=False + mode="max-autotune-no-cudagraphs" (Triton GEMM templates)
+  triton           the engine's own decode kernels (engine/kernels.py) at every batch size, not compiled
+  triton-compiled  what the engine does on CUDA: our kernels at batch 1, compiled modules above,
+                   token pick compiled
+  triton-hybrid    triton-compiled with cuBLAS linears around our attention at batch 1 too
 
 At commit 5912346 this probe also compared flash attention's varlen kernel for the decode
 attention (reading each row's keys up to its own position) with masked SDPA; it was slower
@@ -31,12 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "platform"))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from gpt2_platform.engine import kernels  # noqa: E402
 from gpt2_platform.engine.runner import ModelRunner  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
 
-VARIANTS = ("compiled", "eager", "cublas", "autotune")
+VARIANTS = ("compiled", "eager", "cublas", "autotune", "triton", "triton-compiled", "triton-hybrid")
 SPAN, POSITION, SLOTS = 256, 200, 256
-BATCHES = (1, 64, 256)
+GEMV_MAX_BATCH = kernels.GEMV_MAX_BATCH
+BATCHES = (1, 2, 4, 8, 64, 256)
 
 
 def build(variant: str, device: torch.device, preset_name: str, dtype: torch.dtype) -> ModelRunner:
@@ -45,6 +51,21 @@ def build(variant: str, device: torch.device, preset_name: str, dtype: torch.dty
     if device.type == "cuda":
         torch.backends.cuda.preferred_blas_library("cublas" if variant == "cublas" else "cublaslt")
     model = GPT2(preset(preset_name))
+    if variant.startswith("triton"):
+        # triton-hybrid: cuBLAS linears around our attention at every batch size, batch 1 included.
+        kernels.GEMV_MAX_BATCH = 0 if variant == "triton-hybrid" else GEMV_MAX_BATCH
+        # Our decode kernels (engine/kernels.py); the token pick compiled or not.
+        runner = ModelRunner(
+            model,
+            SLOTS,
+            SPAN,
+            dtype,
+            device,
+            cuda_graphs=device.type == "cuda",
+            compile_step=variant != "triton",
+            decode_kernels="triton",
+        )
+        return runner
     runner = ModelRunner(model, SLOTS, SPAN, dtype, device, cuda_graphs=device.type == "cuda")
     if variant == "eager":
         return runner

@@ -144,6 +144,7 @@ def run(
     device: torch.device,
     compile_step: bool = False,
     runs: int = 3,
+    decode_kernels: str = "auto",
 ) -> dict:
     """transformers first (before our engine exists, so nothing of ours runs beside it), then the engine."""
     torch.manual_seed(0)
@@ -152,7 +153,11 @@ def run(
     prompts = {b: random_prompts(b, prompt_tokens, model.config.vocab_size) for b in batch_sizes}
     theirs = {b: hf_generate(model, prompts[b], new_tokens, dtype, device, runs) for b in batch_sizes}
     config = EngineConfig(
-        max_batch_size=max(batch_sizes), max_seq_len=prompt_tokens + new_tokens, dtype=dtype_name, compile=compile_step
+        max_batch_size=max(batch_sizes),
+        max_seq_len=prompt_tokens + new_tokens,
+        dtype=dtype_name,
+        compile=compile_step,
+        decode_kernels=decode_kernels,
     )
     # Greedy only: warming the sampling modes too would triple a compiled engine's warm-up.
     engine = Engine(model, byte_tokenizer(), config, device=device).start(modes=("greedy",))
@@ -181,6 +186,7 @@ def run(
         "rows": rows,
         "stats": engine.stats(),
         "compile": compile_step,
+        "decode_kernels": "torch" if engine.runner.decoder is None else "triton",
         "runs": runs,
     }
 

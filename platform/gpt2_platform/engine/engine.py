@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from gpt2_platform.engine import kernels
 from gpt2_platform.engine.detokenize import ByteTable, IncrementalDetokenizer, find_stop
 from gpt2_platform.engine.requests import (
     Completion,
@@ -61,6 +63,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
+def resolve_decode_kernels(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" and kernels.available() else "torch"
+    if name == "triton" and not kernels.available():
+        raise ValueError("decode_kernels='triton' needs the triton package (pip install triton); or use 'torch'")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "decode_kernels='triton' runs on CUDA GPUs (or in Triton's interpreter, TRITON_INTERPRET=1); "
+            f"this engine is on {device.type}: use 'torch' or 'auto'"
+        )
+    return name
+
+
 class Engine:
     def __init__(
         self, model: GPT2, tokenizer: PreTrainedTokenizerBase, config: EngineConfig, device: torch.device | None = None
@@ -80,6 +95,7 @@ class Engine:
             config.cuda_graphs,
             compile_step=device.type == "cuda" if config.compile is None else config.compile,
             vocab_limit=len(tokenizer),
+            decode_kernels=resolve_decode_kernels(config.decode_kernels, device),
         )
         if self.runner.vocab_limit < model.config.vocab_size:
             logger.info(

@@ -26,6 +26,9 @@ class EngineConfig:
 
     None: on CUDA only. On an H200 it made GPT-2's step 25% faster (docs/benchmarks.md); on a CPU its
     warm-up takes minutes (124 s for the tiny preset on 2 cores, jobs/probes/compile_warmup.py)."""
+    decode_kernels: str = "auto"
+    """The model's part of a decode step: "triton" (our fused kernels, engine/kernels.py), "torch" (the
+    model's own modules, compiled with `compile`), or "auto": triton on CUDA where triton is installed."""
     max_prefill_tokens: int = 4096
     """Prompt tokens admitted per iteration, bounding how long running sequences wait for a prefill."""
 
@@ -36,6 +39,8 @@ class EngineConfig:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
             raise ValueError(f"dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
+        if self.decode_kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"decode_kernels must be auto, triton or torch, got {self.decode_kernels!r}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
 

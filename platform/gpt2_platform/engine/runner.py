@@ -14,6 +14,7 @@ import time
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gpt2_platform.engine import kernels
 from gpt2_platform.engine.cache import KVCache
 from gpt2_platform.engine.sampling import sample
 from gpt2_platform.model import GPT2
@@ -72,6 +73,7 @@ class ModelRunner:
         cuda_graphs: bool,
         compile_step: bool = False,
         vocab_limit: int | None = None,
+        decode_kernels: str = "torch",
     ) -> None:
         self.model = model.to(device=device, dtype=dtype).eval()
         # Ids at or past the limit are never sampled: a model's vocabulary is often padded past its
@@ -119,6 +121,16 @@ class ModelRunner:
         # Two compiled parts: the model, the same for every sampling mode, and the small pick of the
         # tokens, one variant per mode. Compiled whole, the model was compiled again for every mode,
         # which tripled the warm-up (137.8 s on an H200, cold).
+        # With decode_kernels="triton", our kernels (engine/kernels.py) run the model's part of a step:
+        # fused GEMVs at batch 1, cuBLAS around our attention above it. Compiled, the model's own
+        # modules stay the path above batch 1, where they measured as fast or faster (see
+        # `_forward`); not compiled, our kernels run every batch size.
+        self.decoder = None
+        if decode_kernels == "triton":
+            self.decoder = kernels.TritonDecoder(self.model, self.head)
+        elif decode_kernels != "torch":
+            raise ValueError(f"decode_kernels must be torch or triton, got {decode_kernels!r}")
+        self.compiled = compile_step
         self.forward, self.pick = self._forward, self._pick
         if compile_step:
             # Batch 1 is specialised, and `pick` has one variant per mode: past dynamo's default
@@ -186,8 +198,24 @@ class ModelRunner:
 
     def _decode_step(self, batch: int, span: int, mode: str) -> torch.Tensor:
         """One token for rows [:batch], attending over [0, span); reads and advances only the static buffers."""
-        logits, positions, steps = self.forward(batch, span)
+        if self._uses_kernels(batch):
+            logits, positions, steps = self.decoder.forward(
+                self.staged, self.tokens, self.positions, self.steps, self.cache.kv, batch
+            )
+            logits = logits[:, : self.vocab_limit]
+        else:
+            logits, positions, steps = self.forward(batch, span)
         return self.pick(logits, positions, steps, mode)
+
+    def _uses_kernels(self, batch: int) -> bool:
+        """Whether a step of `batch` rows runs our kernels rather than the model's modules.
+
+        H200, GPT-2 124M, graph replay (jobs/probes/decode_step_variants.py, 2026-12-01): at batch 1 our
+        kernels took 0.336 ms against 0.477 for the compiled modules; at batch 4, 0.513 (GEMVs) against
+        0.486; at 64, 0.668 (cuBLAS + our attention) against 0.675; at 256, 1.135 against 1.263. Not
+        compiled, the modules run one kernel per op and lose everywhere.
+        """
+        return self.decoder is not None and (batch <= kernels.GEMV_MAX_BATCH or not self.compiled)
 
     def _forward(self, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The logits `(B, vocab)` of rows [:batch], and the positions and steps they were computed at.

@@ -90,6 +90,7 @@ class GPT2Server:
             dtype=args.dtype,
             cuda_graphs=args.cuda_graphs,
             compile=args.compile,
+            decode_kernels=args.decode_kernels,
             max_prefill_tokens=args.max_prefill_tokens,
         )
         # start() warms every batch and span shape (and captures the CUDA graphs) before this

@@ -71,6 +71,10 @@ class AppArgs(BaseModel):
     compile: bool | None = None
     """torch.compile the decode step (fused kernels) before the graphs are captured; slower start-up.
     None: on GPUs (faster steps there), not on CPUs (minutes of warm-up: 124 s for the tiny preset on 2 cores)."""
+    decode_kernels: Literal["auto", "triton", "torch"] = "auto"
+    """The decode step's model part: our fused Triton kernels (engine/kernels.py), the model's torch
+    modules, or auto: Triton on GPUs where it is installed. On an H200, Triton took GPT-2's batch-1 step
+    from 0.48 to 0.35 ms."""
     gpu_monitor: bool | None = None
     """Start the per-node GPU exporters (`jobs/monitor.py start`) with the app; None: if the cluster has GPUs."""
     max_batch_size: int = Field(32, ge=1)

@@ -1,0 +1,385 @@
+"""Triton kernels for the decode step: a GPT-2 layer in five launches instead of about eleven.
+
+Why by hand: a decode step at small batch is a chain of small, latency-bound kernels. On an H200
+the compiled step of GPT-2 124M ran 139 kernels in 0.476 ms at batch 1, about 3.4 us each, while
+its weights would stream in about 50 us at the card's bandwidth (docs/benchmarks.md, session 4).
+cuBLAS, inductor's fusions and its Triton GEMM templates still give every layer norm, bias, GELU,
+residual add, cache write and attention its own kernel or its own GEMM. These kernels fold each
+of those into the GEMV/GEMM that reads the weights anyway:
+
+- `ln_linear`: layer norm of the input rows, then `x @ W.T + bias`, then GELU or a residual add.
+- `decode_attention`: writes the step's key and value into the cache and attends over the row's
+  positions only (not a whole span bucket), one program per (row, head).
+- `embed`: picks each row's token, position and step (fed by the host, or left by the previous
+  step), and adds the token and position embeddings.
+
+A layer is then: ln_1 + QKV, attention, out-projection + residual, ln_2 + FC + GELU, down-projection
++ residual. Numerics follow the model's own path in its dtype: every GEMM accumulates in fp32 and
+rounds its output once to the activation dtype, as cuBLAS does, and residual adds are done on the
+rounded values.
+
+The kernels run on CUDA, and in Triton's interpreter on CPU (`TRITON_INTERPRET=1`), which the tests
+use to check them against the model on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch does not bring triton; the engine then keeps the torch path
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(x):
+        # tanh from exp: libdevice's is not there in the interpreter. Stable for large |x| (exp -> inf gives 1).
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    @triton.jit
+    def _ln_linear_kernel(
+        x_ptr,  # (B, K) activations, row stride K
+        ln_w_ptr,  # (K,) or None
+        ln_b_ptr,
+        w_ptr,  # (N, K) weight, nn.Linear layout
+        bias_ptr,  # (N,) or None
+        res_ptr,  # (B, N) residual, or None; may be out_ptr itself
+        out_ptr,  # (B, N)
+        B,
+        N,
+        eps,
+        K: tl.constexpr,
+        LN: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        GELU: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_b = tl.program_id(1)
+        rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < B
+        col_ok = cols < N
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
+        dtype = out_ptr.dtype.element_ty
+        if LN:
+            # Two passes over the rows (K values each, cached in L1/L2): the mean, then the variance.
+            total = tl.zeros([BLOCK_B], dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+                total += tl.sum(xk.to(tl.float32), axis=1)
+            mean = total / K
+            sq = tl.zeros([BLOCK_B], dtype=tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks[None, :] < K
+                xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok, other=0.0).to(tl.float32)
+                centred = tl.where(k_ok, xk - mean[:, None], 0.0)
+                sq += tl.sum(centred * centred, axis=1)
+            rstd = 1.0 / tl.sqrt(sq / K + eps)
+        acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            w = tl.load(
+                w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
+            )  # (BLOCK_N, BLOCK_K)
+            xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if LN:
+                g = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                beta = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                normed = (xk.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + beta[None, :]
+                xk = tl.where(k_ok[None, :], normed, 0.0).to(
+                    dtype
+                )  # the layer norm's output, rounded as the model's is
+            prod = xk.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # (BLOCK_B, BLOCK_N, BLOCK_K)
+            acc += tl.sum(prod, axis=2)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GELU:
+            # GPT-2's GELU, tanh approximation, on the rounded linear output as F.gelu sees it.
+            h = acc.to(dtype).to(tl.float32)
+            acc = 0.5 * h * (1.0 + _tanh(0.7978845608028654 * (h + 0.044715 * h * h * h)))
+        out_offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        out_ok = row_ok[:, None] & col_ok[None, :]
+        if RESIDUAL:
+            res = tl.load(res_ptr + out_offsets, mask=out_ok, other=0.0).to(tl.float32)
+            acc = res + acc.to(dtype).to(tl.float32)
+        tl.store(out_ptr + out_offsets, acc.to(dtype), mask=out_ok)
+
+    @triton.jit
+    def _decode_attention_kernel(
+        qkv_ptr,  # (B, 3C): this step's queries, keys and values
+        kv_ptr,  # the layer's cache (slots, 2, H, T, D)
+        pos_ptr,  # (B,) each row's position
+        out_ptr,  # (B, C)
+        scale,
+        stride_slot,
+        stride_kv,
+        stride_head,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        C: tl.constexpr = H * D
+        d = tl.arange(0, D)
+        pos = tl.load(pos_ptr + b)
+        row = qkv_ptr + b.to(tl.int64) * 3 * C + h * D
+        q = tl.load(row + d).to(tl.float32) * scale
+        k_new = tl.load(row + C + d)
+        v_new = tl.load(row + 2 * C + d)
+        keys = kv_ptr + b.to(tl.int64) * stride_slot + h * stride_head
+        values = keys + stride_kv
+        # The step's own key and value: stored for later steps, and used here from registers.
+        tl.store(keys + pos * D + d, k_new)
+        tl.store(values + pos * D + d, v_new)
+        m = tl.sum(q * k_new.to(tl.float32), axis=0)  # running max of the scores, starting with our own
+        total = 1.0  # running sum of exp(score - m)
+        acc = v_new.to(tl.float32)
+        # Positions before ours, from the cache: online softmax over blocks of BLOCK_T positions. A while
+        # loop, as Triton's interpreter takes no loaded value as a `range` bound.
+        t0 = 0
+        while t0 < pos:
+            t = t0 + tl.arange(0, BLOCK_T)
+            t_ok = t < pos
+            offsets = t.to(tl.int64)[:, None] * D + d[None, :]
+            k = tl.load(keys + offsets, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            scores = tl.where(t_ok, tl.sum(k * q[None, :], axis=1), float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=0))
+            p = tl.exp(scores - m_new)
+            alpha = tl.exp(m - m_new)
+            v = tl.load(values + offsets, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            total = total * alpha + tl.sum(p, axis=0)
+            m = m_new
+            t0 += BLOCK_T
+        tl.store(out_ptr + b.to(tl.int64) * C + h * D + d, (acc / total).to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _embed_kernel(
+        staged_ptr,  # (4, S): token, position, step, fed
+        tokens_ptr,  # (S,) what the previous step left
+        positions_ptr,
+        steps_ptr,
+        current_ptr,  # (3, S) out: this step's token, position and step per row
+        wte_ptr,
+        wpe_ptr,
+        x_ptr,  # (B, C) out
+        S,
+        C: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        fed = tl.load(staged_ptr + 3 * S + b) != 0
+        token = tl.where(fed, tl.load(staged_ptr + b), tl.load(tokens_ptr + b))
+        position = tl.where(fed, tl.load(staged_ptr + S + b), tl.load(positions_ptr + b))
+        step = tl.where(fed, tl.load(staged_ptr + 2 * S + b), tl.load(steps_ptr + b))
+        tl.store(current_ptr + b, token)
+        tl.store(current_ptr + S + b, position)
+        tl.store(current_ptr + 2 * S + b, step)
+        c = tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        tok_emb = tl.load(wte_ptr + token * C + c, mask=c_ok, other=0.0)
+        pos_emb = tl.load(wpe_ptr + position * C + c, mask=c_ok, other=0.0)
+        tl.store(x_ptr + b.to(tl.int64) * C + c, tok_emb + pos_emb, mask=c_ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+GEMV_MAX_BATCH = 1
+"""Up to this many rows, linears run as our GEMV kernel; past it, as cuBLAS GEMMs (see `TritonDecoder`).
+
+The GEMV, one row a program, took the H200's decode step to 0.336 ms at batch 1, but 0.513 ms at
+batch 4 and 0.787 at batch 8, where the compiled torch step takes 0.486 (2026-12-01)."""
+
+
+def linear_config(n: int, k: int) -> dict[str, int]:
+    """Tile sizes for `ln_linear`: a GEMV, one row a program (the grid's second axis runs over rows).
+
+    At batch 1 on an H200 (jobs/probes/triton_kernels.py, 2026-12-01, weights hot in L2): 8 output
+    columns a program with whole 1,024-wide rows of K loaded at once was the fastest of seven tilings
+    for every linear of GPT-2 124M: 4.1 us for the QKV projection with its layer norm (cuBLAS and
+    torch's layer norm: 6.5 us), 3.1 for the out-projection with its residual (5.5), 4.2 for the
+    FC with its layer norm and GELU (7.9), 5.0 for the down-projection (7.7). Tiles of several rows
+    (`tl.dot` at 16-64 rows, or products of 4 rows with K cut to 256 to fit the registers) lost to
+    cuBLAS: 11-24 us against 5-8 at 64 rows, and a batch-4 step twice as slow (0.97 ms).
+    """
+    return dict(BLOCK_B=1, BLOCK_N=8, BLOCK_K=min(_pow2(k), 1024), num_warps=8)
+
+
+def ln_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ln: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    gelu: bool = False,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """`act(layer_norm(x) @ weight.T + bias) (+ residual)` for `x` `(B, K)`; `out` may be `residual` itself."""
+    batch, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and x.is_contiguous() and weight.is_contiguous()
+    if out is None:
+        out = torch.empty(batch, n, dtype=x.dtype, device=x.device)
+    config = dict(config or linear_config(n, k))
+    num_warps = config.pop("num_warps")
+    grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(batch, config["BLOCK_B"]))
+    ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
+    _ln_linear_kernel[grid](
+        x,
+        ln_w,
+        ln_b,
+        weight,
+        bias,
+        residual,
+        out,
+        batch,
+        n,
+        eps,
+        K=k,
+        LN=ln is not None,
+        HAS_BIAS=bias is not None,
+        GELU=gelu,
+        RESIDUAL=residual is not None,
+        num_warps=num_warps,
+        **config,
+    )
+    return out
+
+
+def decode_attention(
+    qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, block_t: int | None = None
+) -> torch.Tensor:
+    """Attention of one new token per row: `qkv` `(B, 3C)`; `kv` the layer's cache `(slots, 2, H, T, D)`.
+
+    Row i is cache slot i. Writes the rows' keys and values at `positions` `(B,)`, then attends over
+    positions 0..positions[i] of slot i. Returns `(B, C)`.
+    """
+    batch = qkv.shape[0]
+    _, two, heads, _, head_dim = kv.shape
+    if block_t is None:
+        # H200, position 200 (jobs/probes/triton_kernels.py): at batch 1, 256 positions a block took
+        # 3.8 us against 7.4 at 64 (and 16.3 for the cache write and masked SDPA of the torch path);
+        # at batch 64, 128 took 11.3 us against 13.5 at 256 (torch: 34.1).
+        block_t = 256 if batch <= 8 else 128
+    assert two == 2 and kv.is_contiguous() and qkv.is_contiguous() and qkv.shape[1] == 3 * heads * head_dim
+    out = torch.empty(batch, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    _decode_attention_kernel[(batch, heads)](
+        qkv,
+        kv,
+        positions,
+        out,
+        1.0 / math.sqrt(head_dim),
+        kv.stride(0),
+        kv.stride(1),
+        kv.stride(2),
+        H=heads,
+        D=head_dim,
+        BLOCK_T=block_t,
+        num_warps=4,
+    )
+    return out
+
+
+def embed(
+    staged: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    steps: torch.Tensor,
+    wte: torch.Tensor,
+    wpe: torch.Tensor,
+    batch: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `batch` rows' embeddings `(B, C)`, and their (token, position, step) `(3, S)`.
+
+    A row takes its inputs from `staged` `(4, S)` where its fed flag is set, else from what the
+    previous step left in `tokens`, `positions` and `steps` `(S,)`.
+    """
+    slots = tokens.shape[0]
+    width = wte.shape[1]
+    current = torch.empty(3, slots, dtype=tokens.dtype, device=tokens.device)
+    x = torch.empty(batch, width, dtype=wte.dtype, device=wte.device)
+    _embed_kernel[(batch,)](
+        staged, tokens, positions, steps, current, wte, wpe, x, slots, C=width, BLOCK_C=_pow2(width), num_warps=4
+    )
+    return x, current
+
+
+class TritonDecoder:
+    """The model's decode step from these kernels, plus cuBLAS where it is faster.
+
+    Per layer at up to `GEMV_MAX_BATCH` rows: 5 launches (QKV with ln_1, attention with the cache
+    write, out-projection with the residual, FC with ln_2 and GELU, down-projection with the
+    residual). Past it, the linears are torch's (cuBLAS GEMMs, which our `tl.dot` tiles did not
+    beat) around our attention. The LM head is always cuBLAS: 77 MB streamed, where cuBLAS reached
+    25 us against our 38.
+
+    Holds references to the model's own parameters (no copies), so it follows weights loaded later.
+    """
+
+    def __init__(self, model: torch.nn.Module, head: torch.Tensor) -> None:
+        t = model.transformer
+        self.wte, self.wpe = t.wte.weight, t.wpe.weight
+        self.layers = [
+            (
+                (b.ln_1.weight, b.ln_1.bias, b.ln_1.eps),
+                (b.attn.c_attn.weight, b.attn.c_attn.bias),
+                (b.attn.c_proj.weight, b.attn.c_proj.bias),
+                (b.ln_2.weight, b.ln_2.bias, b.ln_2.eps),
+                (b.mlp.c_fc.weight, b.mlp.c_fc.bias),
+                (b.mlp.c_proj.weight, b.mlp.c_proj.bias),
+            )
+            for b in t.h
+        ]
+        self.ln_f = (t.ln_f.weight, t.ln_f.bias, t.ln_f.eps)
+        self.head = head
+        self.width = t.wte.weight.shape[1]
+
+    def forward(
+        self,
+        staged: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        steps: torch.Tensor,
+        kv: list[torch.Tensor],
+        batch: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits `(B, padded vocab)` of rows [:batch], and the positions and steps they were computed at."""
+        x, current = embed(staged, tokens, positions, steps, self.wte, self.wpe, batch)
+        position = current[1, :batch]
+        gemv = batch <= GEMV_MAX_BATCH
+        for layer, (ln_1, qkv_proj, out_proj, ln_2, fc, down) in enumerate(self.layers):
+            if gemv:
+                qkv = ln_linear(x, *qkv_proj, ln=ln_1)
+                attended = decode_attention(qkv, kv[layer], position)
+                ln_linear(attended, *out_proj, residual=x, out=x)
+                hidden = ln_linear(x, *fc, ln=ln_2, gelu=True)
+                ln_linear(hidden, *down, residual=x, out=x)
+            else:
+                qkv = F.linear(F.layer_norm(x, (self.width,), *ln_1), *qkv_proj)
+                x = x + F.linear(decode_attention(qkv, kv[layer], position), *out_proj)
+                hidden = F.gelu(F.linear(F.layer_norm(x, (self.width,), *ln_2), *fc), approximate="tanh")
+                x = x + F.linear(hidden, *down)
+        logits = F.linear(F.layer_norm(x, (self.width,), *self.ln_f), self.head)
+        return logits, position, current[2, :batch]
