@@ -3,13 +3,13 @@
     python jobs/probes/decode_step_variants.py [--device cuda] [--preset gpt2] [variant ...]
 
 Variants:
-  compiled         what the engine does on CUDA: torch.compile(dynamic=True), cuBLASLt GEMMs
+  compiled         the model's modules under torch.compile(dynamic=True), cuBLASLt GEMMs (the
+                   engine with decode_kernels="torch")
   eager            not compiled (graphs captured around the eager step)
   cublas           compiled, with cuBLAS preferred over cuBLASLt for the linear layers
   autotune         dynamic=False + mode="max-autotune-no-cudagraphs" (Triton GEMM templates)
   triton           the engine's own decode kernels (engine/kernels.py) at every batch size, not compiled
-  triton-compiled  what the engine does on CUDA: our kernels at batch 1, compiled modules above,
-                   token pick compiled
+  triton-compiled  what the engine does on CUDA: our kernels, token pick compiled
   triton-hybrid    triton-compiled with cuBLAS linears around our attention at batch 1 too
 
 At commit 5912346 this probe also compared flash attention's varlen kernel for the decode

