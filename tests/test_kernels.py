@@ -109,10 +109,17 @@ def test_an_engine_on_the_kernels_generates_what_it_does_on_the_models_modules(m
     assert outputs["triton"] == outputs["torch"]
 
 
-def test_decode_kernels_auto_keeps_the_models_modules_on_cpu_and_a_wrong_choice_says_what_to_do(monkeypatch):
+def test_decode_kernels_auto_keeps_the_models_modules_where_the_kernels_cannot_run_and_a_wrong_choice_says_why(
+    monkeypatch,
+):
     assert resolve_decode_kernels("auto", torch.device("cpu")) == "torch"
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="runs on CUDA GPUs.*use 'torch' or 'auto'"):
         resolve_decode_kernels("triton", torch.device("cpu"))
     with pytest.raises(ValueError, match="decode_kernels must be auto, triton or torch"):
         EngineConfig(decode_kernels="cuda")
+    assert kernels.unsupported(preset("tiny", n_head=3, n_embd=48)) is None  # head size 16
+    odd_heads = preset("tiny", n_head=4, n_embd=48)  # head size 12
+    with pytest.raises(ValueError, match="power-of-two head size; this model's is 12"):
+        resolve_decode_kernels("triton", torch.device("cpu"), odd_heads)
+    assert resolve_decode_kernels("auto", torch.device("cuda"), odd_heads) == "torch"

@@ -63,9 +63,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def resolve_decode_kernels(name: str, device: torch.device) -> str:
+def resolve_decode_kernels(name: str, device: torch.device, model_config=None) -> str:
+    problem = kernels.unsupported(model_config) if model_config is not None else None
     if name == "auto":
-        return "triton" if device.type == "cuda" and kernels.available() else "torch"
+        return "triton" if device.type == "cuda" and kernels.available() and problem is None else "torch"
+    if name == "triton" and problem:
+        raise ValueError(f"decode_kernels='triton': {problem}; use 'torch' or 'auto'")
     if name == "triton" and not kernels.available():
         raise ValueError("decode_kernels='triton' needs the triton package (pip install triton); or use 'torch'")
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -95,7 +98,7 @@ class Engine:
             config.cuda_graphs,
             compile_step=device.type == "cuda" if config.compile is None else config.compile,
             vocab_limit=len(tokenizer),
-            decode_kernels=resolve_decode_kernels(config.decode_kernels, device),
+            decode_kernels=resolve_decode_kernels(config.decode_kernels, device, model.config),
         )
         if self.runner.vocab_limit < model.config.vocab_size:
             logger.info(

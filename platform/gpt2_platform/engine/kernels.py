@@ -1,11 +1,11 @@
-"""Triton kernels for the decode step: a GPT-2 layer in five launches instead of about eleven.
+"""Triton kernels for the decode step: at batch 1, a GPT-2 layer in five launches instead of about eleven.
 
 Why by hand: a decode step at small batch is a chain of small, latency-bound kernels. On an H200
 the compiled step of GPT-2 124M ran 139 kernels in 0.476 ms at batch 1, about 3.4 us each, while
 its weights would stream in about 50 us at the card's bandwidth (docs/benchmarks.md, session 4).
 cuBLAS, inductor's fusions and its Triton GEMM templates still give every layer norm, bias, GELU,
 residual add, cache write and attention its own kernel or its own GEMM. These kernels fold each
-of those into the GEMV/GEMM that reads the weights anyway:
+of those into the GEMV that reads the weights anyway, or into the attention:
 
 - `ln_linear`: layer norm of the input rows, then `x @ W.T + bias`, then GELU or a residual add.
 - `decode_attention`: writes the step's key and value into the cache and attends over the row's
@@ -13,8 +13,8 @@ of those into the GEMV/GEMM that reads the weights anyway:
 - `embed`: picks each row's token, position and step (fed by the host, or left by the previous
   step), and adds the token and position embeddings.
 
-A layer is then: ln_1 + QKV, attention, out-projection + residual, ln_2 + FC + GELU, down-projection
-+ residual. Numerics follow the model's own path in its dtype: every GEMM accumulates in fp32 and
+A layer at batch 1 is then: ln_1 + QKV, attention, out-projection + residual, ln_2 + FC + GELU,
+down-projection + residual; above batch 1, cuBLAS GEMMs around our attention. Numerics follow the model's own path in its dtype: every GEMM accumulates in fp32 and
 rounds its output once to the activation dtype, as cuBLAS does, and residual adds are done on the
 rounded values.
 
@@ -38,6 +38,14 @@ except ImportError:  # the CPU build of torch does not bring triton; the engine 
 
 def available() -> bool:
     return triton is not None
+
+
+def unsupported(config) -> str | None:
+    """Why these kernels cannot run a model of this `GPT2Config`, or None if they can."""
+    head_dim = config.n_embd // config.n_head
+    if head_dim & (head_dim - 1):
+        return f"the attention kernel needs a power-of-two head size; this model's is {head_dim}"
+    return None
 
 
 if triton is not None:
