@@ -124,8 +124,6 @@ class EngineConfig:
     """The decode step's model part: our Triton kernels, the model's torch modules, or auto (Triton on GPUs)."""
 
     def __post_init__(self) -> None:
-        if self.decode_kernels not in ("auto", "triton", "torch"):
-            raise ConfigError(f"engine.decode_kernels must be auto, triton or torch, got {self.decode_kernels!r}")
         if self.max_batch_size < 1:
             raise ConfigError(f"engine.max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
