@@ -71,7 +71,10 @@ def test_engine_with_cuda_graphs_matches_transformers_greedy_in_fp32(tmp_path):
         prompts = [[5, 6, 7], list(range(10, 40)), [100] * 17]
         params = GenerationParams(max_tokens=32, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
         results = engine.generate(prompts, params)
-        for prompt, result in zip(prompts, results, strict=True):
+        # One at a time too: batch 1 runs the GEMV kernels (with programmatic dependent launch on Hopper).
+        alone = [engine.generate([prompt], params)[0] for prompt in prompts]
+        for prompt, result, single in zip(prompts, results, alone, strict=True):
+            assert single.token_ids == result.token_ids
             with torch.no_grad():
                 reference = hf.generate(
                     torch.tensor([prompt], device="cuda"),
@@ -158,7 +161,7 @@ def test_compiled_graphs_of_every_sampling_mode_match_the_eager_graphs_on_gpu():
     assert outputs[0] == outputs[1]
 
 
-@pytest.mark.parametrize("batch", [1, 4, 64], ids=["gemv", "cublas-4", "cublas-64"])
+@pytest.mark.parametrize("batch", [1, 4, 8, 64], ids=["gemv-1", "gemv-4", "cublas-8", "cublas-64"])
 def test_the_triton_decode_kernels_match_the_models_modules_in_bf16_on_gpu(batch):
     from gpt2_platform.engine import kernels
     from gpt2_platform.engine.runner import ModelRunner
@@ -184,3 +187,25 @@ def test_the_triton_decode_kernels_match_the_models_modules_in_bf16_on_gpu(batch
     # bf16: the fused kernels round in other places than cuBLAS and torch's layer norm.
     assert (ours - logits.float()).abs().max() < 0.03 * logits.float().abs().max()
     assert (ours.argmax(-1) == logits.float().argmax(-1)).float().mean() >= 0.9
+
+
+def test_programmatic_dependent_launch_gives_the_same_logits_as_plain_launches_in_cuda_graphs():
+    """PDL lets a kernel start before the previous one ends: a read before its gdc_wait would race."""
+    from gpt2_platform.engine import kernels
+    from gpt2_platform.engine.runner import ModelRunner
+
+    device = torch.device("cuda")
+    if not kernels.pdl_supported(device):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    tokens = {}
+    for pdl in (False, True):
+        torch.manual_seed(0)  # the same weights for both
+        runner = ModelRunner(
+            GPT2(preset("gpt2")), 8, 256, torch.bfloat16, device, cuda_graphs=True, decode_kernels="triton"
+        )
+        runner.decoder.pdl = pdl
+        with torch.inference_mode():
+            runner.decode([11], [0], [1])  # captures the batch-1 graph
+            steps = [runner.decode([11 + t % 50], [t], [1]) for t in range(1, 100)]
+        tokens[pdl] = steps
+    assert tokens[True] == tokens[False]

@@ -68,11 +68,11 @@ def test_decode_attention_writes_the_step_and_attends_up_to_each_rows_own_positi
     assert_close(kv, expected_kv)  # slot 3, not in the batch, untouched
 
 
-@pytest.mark.parametrize("batch", [1, 3], ids=["gemv", "cublas-around-our-attention"])
+@pytest.mark.parametrize("batch", [1, 3, 5], ids=["gemv-1", "gemv-3", "cublas-around-our-attention"])
 def test_the_kernels_decode_step_is_the_models_step(model, batch):
-    runner = ModelRunner(model, 4, 128, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    runner = ModelRunner(model, 6, 128, torch.float32, torch.device("cpu"), cuda_graphs=False)
     decoder = kernels.TritonDecoder(runner.model, runner.head)
-    prompts = [[1, 2, 3, 4, 5], [7] * 70, [9, 8]][:batch]
+    prompts = [[1, 2, 3, 4, 5], [7] * 70, [9, 8], [4] * 33, [100, 50, 25]][:batch]
     first = runner.prefill(prompts, list(range(batch)))
     runner.staged[:, :batch] = torch.tensor([[f, len(p), 1, 1] for f, p in zip(first, prompts, strict=True)]).T
     before = [t.clone() for t in runner.cache.kv]

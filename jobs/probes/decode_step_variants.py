@@ -9,7 +9,10 @@ Variants:
   cublas           compiled, with cuBLAS preferred over cuBLASLt for the linear layers
   autotune         dynamic=False + mode="max-autotune-no-cudagraphs" (Triton GEMM templates)
   triton           the engine's own decode kernels (engine/kernels.py) at every batch size, not compiled
-  triton-compiled  what the engine does on CUDA: our kernels, token pick compiled
+  triton-compiled  what the engine does on CUDA: our kernels, token pick compiled (with programmatic
+                   dependent launch between them on Hopper)
+  triton-nopdl     triton-compiled without programmatic dependent launch
+  triton-gemv8     triton-compiled with our GEMV up to batch 8
   triton-hybrid    triton-compiled with cuBLAS linears around our attention at batch 1 too
 
 At commit 5912346 this probe also compared flash attention's varlen kernel for the decode
@@ -39,7 +42,17 @@ from gpt2_platform.engine import kernels  # noqa: E402
 from gpt2_platform.engine.runner import ModelRunner  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
 
-VARIANTS = ("compiled", "eager", "cublas", "autotune", "triton", "triton-compiled", "triton-hybrid")
+VARIANTS = (
+    "compiled",
+    "eager",
+    "cublas",
+    "autotune",
+    "triton",
+    "triton-compiled",
+    "triton-nopdl",
+    "triton-gemv8",
+    "triton-hybrid",
+)
 SPAN, POSITION, SLOTS = 256, 200, 256
 GEMV_MAX_BATCH = kernels.GEMV_MAX_BATCH
 BATCHES = (1, 2, 4, 8, 64, 256)
@@ -53,7 +66,7 @@ def build(variant: str, device: torch.device, preset_name: str, dtype: torch.dty
     model = GPT2(preset(preset_name))
     if variant.startswith("triton"):
         # triton-hybrid: cuBLAS linears around our attention at every batch size, batch 1 included.
-        kernels.GEMV_MAX_BATCH = 0 if variant == "triton-hybrid" else GEMV_MAX_BATCH
+        kernels.GEMV_MAX_BATCH = {"triton-hybrid": 0, "triton-gemv8": 8}.get(variant, GEMV_MAX_BATCH)
         # Our decode kernels (engine/kernels.py); the token pick compiled or not.
         runner = ModelRunner(
             model,
@@ -65,6 +78,8 @@ def build(variant: str, device: torch.device, preset_name: str, dtype: torch.dty
             compile_step=variant != "triton",
             decode_kernels="triton",
         )
+        if variant == "triton-nopdl":
+            runner.decoder.pdl = False
         return runner
     runner = ModelRunner(model, SLOTS, SPAN, dtype, device, cuda_graphs=device.type == "cuda")
     if variant == "eager":

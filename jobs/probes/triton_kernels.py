@@ -27,7 +27,7 @@ from gpt2_platform.engine import kernels  # noqa: E402
 
 C, H, D, T, POSITION = 768, 12, 64, 256, 200
 CONFIGS = [
-    dict(BLOCK_B=1, BLOCK_N=n, BLOCK_K=k, num_warps=w)
+    dict(BLOCK_N=n, BLOCK_K=k, num_warps=w)
     for n, k, w in [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (8, 1024, 8)]
 ]
 """GEMV tilings tried at batch 1. An earlier version of this probe also had `tl.dot` tiles for 64 and
@@ -68,7 +68,7 @@ def linears(batch: int, dtype: torch.dtype, device: torch.device) -> dict:
         reference = torch_op().float()
         row = {"torch": round(graph_us(torch_op), 2)}
         for config in CONFIGS:
-            label = "b{}n{}k{}w{}".format(*config.values())
+            label = "n{}k{}w{}".format(*config.values())
 
             def ours(spec=spec, res=res, config=config):
                 out = None if res is None else res.clone()

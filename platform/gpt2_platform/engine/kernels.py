@@ -1,4 +1,4 @@
-"""Triton kernels for the decode step: at batch 1, a GPT-2 layer in five launches instead of about eleven.
+"""Triton kernels for the decode step: up to batch 4, a GPT-2 layer in five launches instead of about eleven.
 
 Why by hand: a decode step at small batch is a chain of small, latency-bound kernels. On an H200
 the compiled step of GPT-2 124M ran 139 kernels in 0.476 ms at batch 1, about 3.4 us each, while
@@ -13,10 +13,11 @@ of those into the GEMV that reads the weights anyway, or into the attention:
 - `embed`: picks each row's token, position and step (fed by the host, or left by the previous
   step), and adds the token and position embeddings.
 
-A layer at batch 1 is then: ln_1 + QKV, attention, out-projection + residual, ln_2 + FC + GELU,
-down-projection + residual; above batch 1, cuBLAS GEMMs around our attention. Numerics follow the model's own path in its dtype: every GEMM accumulates in fp32 and
-rounds its output once to the activation dtype, as cuBLAS does, and residual adds are done on the
-rounded values.
+A layer up to `GEMV_MAX_BATCH` rows is then: ln_1 + QKV, attention, out-projection + residual,
+ln_2 + FC + GELU, down-projection + residual; above it, cuBLAS GEMMs around our attention. On
+Hopper they launch with programmatic dependent launch (`pdl_supported`). Numerics follow the
+model's own path in its dtype: every GEMM accumulates in fp32 and rounds its output once to the
+activation dtype, as cuBLAS does, and residual adds are done on the rounded values.
 
 The kernels run on CUDA, and in Triton's interpreter on CPU (`TRITON_INTERPRET=1`), which the tests
 use to check them against the model on a machine without a GPU.
@@ -25,6 +26,7 @@ use to check them against the model on a machine without a GPU.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +66,6 @@ if triton is not None:
         bias_ptr,  # (N,) or None
         res_ptr,  # (B, N) residual, or None; may be out_ptr itself
         out_ptr,  # (B, N)
-        B,
         N,
         eps,
         K: tl.constexpr,
@@ -72,63 +73,65 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         GELU: tl.constexpr,
         RESIDUAL: tl.constexpr,
-        BLOCK_B: tl.constexpr,
+        PDL: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        pid_n = tl.program_id(0)
-        pid_b = tl.program_id(1)
-        rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < B
+        # One row (grid axis 1) and BLOCK_N output columns (axis 0) a program.
+        row = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
+        w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+        ks = tl.arange(0, BLOCK_K)
+        # The first block of weights before waiting: it does not depend on the kernel before this one, so
+        # under programmatic dependent launch its load overlaps that kernel's last microseconds.
+        w_first = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K), other=0.0)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # the previous kernel's writes (our input) are visible from here on
+            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start loading its own weights
+        x_row = x_ptr + row * K
         dtype = out_ptr.dtype.element_ty
         if LN:
-            # Two passes over the rows (K values each, cached in L1/L2): the mean, then the variance.
-            total = tl.zeros([BLOCK_B], dtype=tl.float32)
+            # Two passes over the row (K values, cached in L1/L2): the mean, then the variance.
+            total = 0.0
             for k0 in tl.static_range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-                total += tl.sum(xk.to(tl.float32), axis=1)
+                xk = tl.load(x_row + k0 + ks, mask=k0 + ks < K, other=0.0)
+                total += tl.sum(xk.to(tl.float32), axis=0)
             mean = total / K
-            sq = tl.zeros([BLOCK_B], dtype=tl.float32)
+            sq = 0.0
             for k0 in tl.static_range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks[None, :] < K
-                xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok, other=0.0).to(tl.float32)
-                centred = tl.where(k_ok, xk - mean[:, None], 0.0)
-                sq += tl.sum(centred * centred, axis=1)
+                k_ok = k0 + ks < K
+                xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                centred = tl.where(k_ok, xk - mean, 0.0)
+                sq += tl.sum(centred * centred, axis=0)
             rstd = 1.0 / tl.sqrt(sq / K + eps)
-        acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            w = tl.load(
-                w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
-            )  # (BLOCK_N, BLOCK_K)
-            xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            k_ok = k0 + ks < K
+            if k0 == 0:
+                w = w_first
+            else:
+                w = tl.load(w_rows + k0 + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0)
             if LN:
-                g = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                beta = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                normed = (xk.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + beta[None, :]
-                xk = tl.where(k_ok[None, :], normed, 0.0).to(
-                    dtype
-                )  # the layer norm's output, rounded as the model's is
-            prod = xk.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # (BLOCK_B, BLOCK_N, BLOCK_K)
-            acc += tl.sum(prod, axis=2)
+                g = tl.load(ln_w_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                beta = tl.load(ln_b_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                # The layer norm's output, rounded to the activation dtype as the model's is.
+                xk = tl.where(k_ok, (xk.to(tl.float32) - mean) * rstd * g + beta, 0.0).to(dtype)
+            acc += tl.sum(xk.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc += bias
         if GELU:
             # GPT-2's GELU, tanh approximation, on the rounded linear output as F.gelu sees it.
             h = acc.to(dtype).to(tl.float32)
             acc = 0.5 * h * (1.0 + _tanh(0.7978845608028654 * (h + 0.044715 * h * h * h)))
-        out_offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        out_ok = row_ok[:, None] & col_ok[None, :]
+        out_offsets = row * N + cols
         if RESIDUAL:
-            res = tl.load(res_ptr + out_offsets, mask=out_ok, other=0.0).to(tl.float32)
+            res = tl.load(res_ptr + out_offsets, mask=col_ok, other=0.0).to(tl.float32)
             acc = res + acc.to(dtype).to(tl.float32)
-        tl.store(out_ptr + out_offsets, acc.to(dtype), mask=out_ok)
+        tl.store(out_ptr + out_offsets, acc.to(dtype), mask=col_ok)
 
     @triton.jit
     def _decode_attention_kernel(
@@ -143,9 +146,13 @@ if triton is not None:
         H: tl.constexpr,
         D: tl.constexpr,
         BLOCK_T: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
+        if PDL:  # everything read here comes from the kernels before: wait for them first
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         C: tl.constexpr = H * D
         d = tl.arange(0, D)
         pos = tl.load(pos_ptr + b)
@@ -213,11 +220,33 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-GEMV_MAX_BATCH = 1
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can use programmatic dependent launch: CUDA on Hopper (sm_90) or newer.
+
+    Why: at batch 1 a decode step is about 60 of our kernels in a row, each a few microseconds, and
+    the gap between two of them in a CUDA graph is part of every one. With it, a kernel starts while the
+    one before is finishing, loads its weights, then waits for its input (`gdc_wait`).
+    """
+    return (
+        triton is not None
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+        and not os.environ.get("TRITON_INTERPRET")
+    )
+
+
+def _launch(pdl: bool) -> dict:
+    # Passed only when set: Triton's interpreter takes no launch_pdl.
+    return {"launch_pdl": True} if pdl else {}
+
+
+GEMV_MAX_BATCH = 4
 """Up to this many rows, linears run as our GEMV kernel; past it, as cuBLAS GEMMs (see `TritonDecoder`).
 
-The GEMV, one row a program, took the H200's decode step to 0.336 ms at batch 1, but 0.513 ms at
-batch 4 and 0.787 at batch 8, where the compiled torch step takes 0.486 (2026-12-01)."""
+H200 graph replay of the whole step (jobs/probes/decode_step_variants.py, 2026-12-01, with
+programmatic dependent launch), GEMV against cuBLAS around our attention: 0.241 against 0.289 ms at
+batch 1 (no PDL), 0.288 against 0.516 at batch 2, 0.372 against 0.513 at 4, but 0.567 against 0.519
+at 8: the GEMV reads the weights once per row."""
 
 
 def linear_config(n: int, k: int) -> dict[str, int]:
@@ -231,7 +260,7 @@ def linear_config(n: int, k: int) -> dict[str, int]:
     (`tl.dot` at 16-64 rows, or products of 4 rows with K cut to 256 to fit the registers) lost to
     cuBLAS: 11-24 us against 5-8 at 64 rows, and a batch-4 step twice as slow (0.97 ms).
     """
-    return dict(BLOCK_B=1, BLOCK_N=8, BLOCK_K=min(_pow2(k), 1024), num_warps=8)
+    return dict(BLOCK_N=8, BLOCK_K=min(_pow2(k), 1024), num_warps=8)
 
 
 def ln_linear(
@@ -243,8 +272,13 @@ def ln_linear(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """`act(layer_norm(x) @ weight.T + bias) (+ residual)` for `x` `(B, K)`; `out` may be `residual` itself."""
+    """`act(layer_norm(x) @ weight.T + bias) (+ residual)` for `x` `(B, K)`; `out` may be `residual` itself.
+
+    `pdl`: launch with programmatic dependent launch (`pdl_supported`), so that this kernel loads its
+    weights while the kernel before it finishes.
+    """
     batch, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and x.is_contiguous() and weight.is_contiguous()
@@ -252,7 +286,7 @@ def ln_linear(
         out = torch.empty(batch, n, dtype=x.dtype, device=x.device)
     config = dict(config or linear_config(n, k))
     num_warps = config.pop("num_warps")
-    grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(batch, config["BLOCK_B"]))
+    grid = (triton.cdiv(n, config["BLOCK_N"]), batch)
     ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
     _ln_linear_kernel[grid](
         x,
@@ -262,7 +296,6 @@ def ln_linear(
         bias,
         residual,
         out,
-        batch,
         n,
         eps,
         K=k,
@@ -270,14 +303,16 @@ def ln_linear(
         HAS_BIAS=bias is not None,
         GELU=gelu,
         RESIDUAL=residual is not None,
+        PDL=pdl,
         num_warps=num_warps,
         **config,
+        **_launch(pdl),
     )
     return out
 
 
 def decode_attention(
-    qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, block_t: int | None = None
+    qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, block_t: int | None = None, pdl: bool = False
 ) -> torch.Tensor:
     """Attention of one new token per row: `qkv` `(B, 3C)`; `kv` the layer's cache `(slots, 2, H, T, D)`.
 
@@ -305,7 +340,9 @@ def decode_attention(
         H=heads,
         D=head_dim,
         BLOCK_T=block_t,
+        PDL=pdl,
         num_warps=4,
+        **_launch(pdl),
     )
     return out
 
@@ -340,13 +377,14 @@ class TritonDecoder:
     Per layer at up to `GEMV_MAX_BATCH` rows: 5 launches (QKV with ln_1, attention with the cache
     write, out-projection with the residual, FC with ln_2 and GELU, down-projection with the
     residual). Past it, the linears are torch's (cuBLAS GEMMs, which our `tl.dot` tiles did not
-    beat) around our attention. The LM head is always cuBLAS: 77 MB streamed, where cuBLAS reached
-    25 us against our 38.
+    beat) around our attention. The LM head is always cuBLAS: 77 MB streamed, where our kernel
+    was no faster (a 0.2455 ms step against 0.2409 with cuBLAS, H200, 2026-12-01).
 
     Holds references to the model's own parameters (no copies), so it follows weights loaded later.
+    `pdl`: programmatic dependent launch between our kernels; None: where the device supports it.
     """
 
-    def __init__(self, model: torch.nn.Module, head: torch.Tensor) -> None:
+    def __init__(self, model: torch.nn.Module, head: torch.Tensor, pdl: bool | None = None) -> None:
         t = model.transformer
         self.wte, self.wpe = t.wte.weight, t.wpe.weight
         self.layers = [
@@ -363,6 +401,7 @@ class TritonDecoder:
         self.ln_f = (t.ln_f.weight, t.ln_f.bias, t.ln_f.eps)
         self.head = head
         self.width = t.wte.weight.shape[1]
+        self.pdl = pdl_supported(head.device) if pdl is None else pdl
 
     def forward(
         self,
@@ -379,11 +418,12 @@ class TritonDecoder:
         gemv = batch <= GEMV_MAX_BATCH
         for layer, (ln_1, qkv_proj, out_proj, ln_2, fc, down) in enumerate(self.layers):
             if gemv:
-                qkv = ln_linear(x, *qkv_proj, ln=ln_1)
-                attended = decode_attention(qkv, kv[layer], position)
-                ln_linear(attended, *out_proj, residual=x, out=x)
-                hidden = ln_linear(x, *fc, ln=ln_2, gelu=True)
-                ln_linear(hidden, *down, residual=x, out=x)
+                pdl = self.pdl
+                qkv = ln_linear(x, *qkv_proj, ln=ln_1, pdl=pdl)
+                attended = decode_attention(qkv, kv[layer], position, pdl=pdl)
+                ln_linear(attended, *out_proj, residual=x, out=x, pdl=pdl)
+                hidden = ln_linear(x, *fc, ln=ln_2, gelu=True, pdl=pdl)
+                ln_linear(hidden, *down, residual=x, out=x, pdl=pdl)
             else:
                 qkv = F.linear(F.layer_norm(x, (self.width,), *ln_1), *qkv_proj)
                 x = x + F.linear(decode_attention(qkv, kv[layer], position), *out_proj)
