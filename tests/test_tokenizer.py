@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import transformers
 
-from gpt2_platform.tokenizer import BYTE_TOKENIZER, EOS_TOKEN, byte_tokenizer, load_tokenizer
+from gpt2_platform import checkpoint
+from gpt2_platform.model import GPT2, preset
+from gpt2_platform.tokenizer import BYTE_TOKENIZER, EOS_TOKEN, byte_tokenizer, load_tokenizer, named_tokenizer_class
 
 TEXTS = [
     "hello world",
@@ -77,6 +82,31 @@ def test_load_tokenizer_byte_and_local_directory(tokenizer, tmp_path: Path) -> N
     loaded = load_tokenizer(str(tmp_path / "tok"))
     assert loaded.encode("hé") == [104, 195, 169]
     assert loaded.eos_token_id == 256
+
+
+def test_a_directory_that_names_no_tokenizer_class_loads_through_auto_tokenizer(tokenizer, tmp_path: Path) -> None:
+    tokenizer.save_pretrained(tmp_path / "tok")
+    config_path = tmp_path / "tok" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("tokenizer_class")
+    config_path.write_text(json.dumps(config))
+    assert named_tokenizer_class(tmp_path / "tok") is None
+    assert load_tokenizer(str(tmp_path / "tok")).encode("hé") == [104, 195, 169]
+
+
+def test_loading_a_checkpoint_and_its_tokenizer_imports_neither_auto_classes_nor_dynamo(tokenizer, tmp_path: Path):
+    """Importing them (or torch._dynamo) cost a Ray actor 6-8 s on the GPU machine (transformers 5.17)."""
+    model_dir = tmp_path / "model"
+    checkpoint.save_pretrained(GPT2(preset("tiny")), model_dir)
+    tokenizer.save_pretrained(model_dir)
+    code = (
+        "import sys; from gpt2_platform.checkpoint import load_pretrained; "
+        "from gpt2_platform.tokenizer import load_tokenizer; "
+        f"load_pretrained({str(model_dir)!r}); print(load_tokenizer({str(model_dir)!r}).eos_token_id); "
+        "print(sorted(n for n in sys.modules if n.startswith(('transformers.models.auto', 'torch._dynamo'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:2] == ["256", "[]"]
 
 
 def test_load_tokenizer_missing_directory_is_a_clear_error() -> None:

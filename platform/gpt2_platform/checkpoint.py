@@ -8,6 +8,7 @@ leaves a half-written checkpoint under the real name.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -15,6 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -104,6 +106,38 @@ def hf_config(config: GPT2Config, **extra: object):
     )
 
 
+# transformers' GPT2Config defaults for the fields config_from_hf reads (a config.json may leave any out).
+HF_GPT2_DEFAULTS = dict(
+    model_type="gpt2",
+    vocab_size=50257,
+    n_positions=1024,
+    n_embd=768,
+    n_layer=12,
+    n_head=12,
+    n_inner=None,
+    resid_pdrop=0.1,
+    layer_norm_epsilon=1e-5,
+)
+
+
+def read_hf_config(directory: Path) -> SimpleNamespace:
+    """The directory's config.json, over GPT-2's defaults, with the attributes `config_from_hf` reads.
+
+    Read here rather than by AutoConfig or GPT2Config: importing transformers' auto classes imports its
+    generation stack as well (torch._dynamo, sympy, and scikit-learn where installed). With
+    transformers 5.17 that was 6 s of every Ray actor's start-up on the GPU machine
+    (docs/benchmarks.md, session 6), for a file of a few numbers.
+    """
+    path = directory / CONFIG_NAME
+    try:
+        fields = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path} should hold a JSON object, not {type(fields).__name__}")
+    return SimpleNamespace(**{**HF_GPT2_DEFAULTS, **fields})
+
+
 def config_from_hf(hf: object) -> GPT2Config:
     if getattr(hf, "model_type", "gpt2") != "gpt2":
         raise ValueError(f"checkpoint is a {hf.model_type!r} model; only GPT-2 checkpoints are supported")
@@ -184,21 +218,39 @@ def resolve(name_or_path: str, allow_patterns: list[str] | None = None) -> Path:
         ) from error
 
 
+@contextmanager
+def _init_skipped() -> Iterator[None]:
+    """torch.nn.init's in-place initialisers as no-ops, while a model to be loaded into is built on meta.
+
+    Why: init on meta tensors has no effect, yet the first `normal_` on one imports torch._dynamo
+    (torch's meta `normal_` is a reference implementation behind dynamo's disable wrapper): 1-2 s of
+    each Ray actor's start-up for nothing. The same idea as transformers' `no_init_weights`, which sits
+    in its modeling module, itself a 2-6 s import. Not thread-safe: only for a model's construction.
+    """
+    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
 def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> GPT2:
     """Load a GPT-2 from a local Hugging Face directory or a hub name."""
-    from transformers import AutoConfig
-
     directory = resolve(name_or_path, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, "*.json", "*.txt"])
     weights = directory / WEIGHTS_NAME
     if not (directory / CONFIG_NAME).is_file() or not weights.is_file():
         raise FileNotFoundError(
             f"{directory} must hold {CONFIG_NAME} and {WEIGHTS_NAME} (safetensors; pickle is not loaded)"
         )
-    config = config_from_hf(AutoConfig.from_pretrained(directory))
+    config = config_from_hf(read_hf_config(directory))
     state_dict = from_hf_state_dict(load_file(str(weights)))
     # Built on the meta device, the model allocates and randomly initialises nothing: the file's tensors
     # become its parameters. (Initialising first cost 1.5B random draws for gpt2-xl, only to overwrite them.)
-    with torch.device("meta"):
+    with torch.device("meta"), _init_skipped():
         model = GPT2(config)
     missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
     missing = [name for name in missing if name != "lm_head.weight"]

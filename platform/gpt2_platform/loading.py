@@ -13,10 +13,8 @@ def model_config(config: ModelConfig) -> GPT2Config:
     """The architecture without building weights (reads config.json for pretrained models)."""
     if config.init_from is None:
         return preset(config.preset, dropout=config.dropout)
-    from transformers import AutoConfig
-
     directory = checkpoint.resolve(config.init_from, allow_patterns=[checkpoint.CONFIG_NAME])
-    hf = AutoConfig.from_pretrained(directory)
+    hf = checkpoint.read_hf_config(directory)
     return dataclasses.replace(checkpoint.config_from_hf(hf), dropout=config.dropout)
 
 

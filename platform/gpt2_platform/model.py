@@ -129,6 +129,8 @@ class GPT2(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
+        if self.lm_head.weight.is_meta:
+            return  # built to be loaded into (checkpoint.load_pretrained): there is nothing to initialise
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer).
         for name, param in self.named_parameters():

@@ -8,10 +8,13 @@ like any other. It needs no download: 256 byte tokens plus `<|endoftext|>`.
 
 from __future__ import annotations
 
+import json
 import logging
 from functools import lru_cache
+from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+import transformers
+from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +58,34 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
     )
 
 
+def named_tokenizer_class(directory: Path) -> type[PreTrainedTokenizerBase] | None:
+    """The tokenizer class a local directory's tokenizer_config.json names, if transformers has it.
+
+    What AutoTokenizer does first, without importing transformers' auto classes: with transformers
+    5.17 that import brings in its generation stack (torch._dynamo, sympy, scikit-learn where
+    installed), 6 s of every Ray actor's start-up on the GPU machine (docs/benchmarks.md, session 6).
+    None (then AutoTokenizer decides) for a hub name or a directory that names no class.
+    """
+    try:
+        name = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    found = getattr(transformers, name, None) if isinstance(name, str) else None
+    return found if isinstance(found, type) and issubclass(found, PreTrainedTokenizerBase) else None
+
+
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """'byte' for the offline tokenizer, else a local directory or hub name (e.g. openai-community/gpt2)."""
     if name_or_path == BYTE_TOKENIZER:
         return byte_tokenizer()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer_class = named_tokenizer_class(Path(name_or_path).expanduser())
+        if tokenizer_class is not None:
+            tokenizer = tokenizer_class.from_pretrained(name_or_path)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     except Exception as error:  # transformers raises OSError, ValueError or hub errors here
         raise ValueError(
             f"could not load tokenizer {name_or_path!r} ({type(error).__name__}: {error}); "
