@@ -14,20 +14,23 @@ Variants:
   triton-nopdl     triton-compiled without programmatic dependent launch
   triton-gemv8     triton-compiled with our GEMV up to batch 8
   triton-hybrid    triton-compiled with cuBLAS linears around our attention at batch 1 too
+  triton-unfused   triton-compiled with the plain cuBLAS layer past the GEMV (layer norm, linear,
+                   GELU and residual add each its own launch: 10 a layer) instead of gemm_layers (7)
 
 At commit 5912346 this probe also compared flash attention's varlen kernel for the decode
 attention (reading each row's keys up to its own position) with masked SDPA; it was slower
 (docs/benchmarks.md) and left the engine.
 
 For each: compile + capture seconds, replay ms at batch 1, 64 and 256 (position 200, span 256),
-kernels per batch-1 replay, and whether its greedy tokens at batch 64 match the eager step's. On CPU
-(--device cpu) the graphs are not captured and the times are plain calls: for checking
-that every variant compiles and agrees, not for its numbers.
+kernels per replay at batch 1 and 64 (with the top ones), and whether its greedy tokens at batch
+64 match the eager step's. On CPU (--device cpu) the graphs are not captured and the times are
+plain calls: for checking that every variant compiles and agrees, not for its numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -36,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "platform"))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from gpt2_platform.engine import kernels  # noqa: E402
@@ -52,6 +56,7 @@ VARIANTS = (
     "triton-nopdl",
     "triton-gemv8",
     "triton-hybrid",
+    "triton-unfused",
 )
 SPAN, POSITION, SLOTS = 256, 200, 256
 GEMV_MAX_BATCH = kernels.GEMV_MAX_BATCH
@@ -80,6 +85,8 @@ def build(variant: str, device: torch.device, preset_name: str, dtype: torch.dty
         )
         if variant == "triton-nopdl":
             runner.decoder.pdl = False
+        if variant == "triton-unfused":
+            runner.decoder.gemm_layers = functools.partial(unfused_gemm_layers, runner.decoder)
         return runner
     runner = ModelRunner(model, SLOTS, SPAN, dtype, device, cuda_graphs=device.type == "cuda")
     if variant == "eager":
@@ -91,6 +98,17 @@ def build(variant: str, device: torch.device, preset_name: str, dtype: torch.dty
     runner.forward = torch.compile(runner._forward, **options)
     runner.pick = torch.compile(runner._pick, **options)
     return runner
+
+
+def unfused_gemm_layers(decoder: kernels.TritonDecoder, x: torch.Tensor, kv: list, position: torch.Tensor):
+    """The engine's layers past the GEMV before gemm_layers: every layer norm, bias, GELU and add on its own."""
+    width = decoder.width
+    for layer, (ln_1, qkv_proj, out_proj, ln_2, fc, down) in enumerate(decoder.layers):
+        qkv = F.linear(F.layer_norm(x, (width,), *ln_1), *qkv_proj)
+        x = x + F.linear(kernels.decode_attention(qkv, kv[layer], position), *out_proj)
+        hidden = F.gelu(F.linear(F.layer_norm(x, (width,), *ln_2), *fc), approximate="tanh")
+        x = x + F.linear(hidden, *down)
+    return F.layer_norm(x, (width,), *decoder.ln_f)
 
 
 def step(runner: ModelRunner, batch: int) -> torch.Tensor:
@@ -114,10 +132,10 @@ def replay_ms(runner: ModelRunner, batch: int, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def kernels_per_replay(runner: ModelRunner) -> tuple[int, list[str]]:
+def kernels_per_replay(runner: ModelRunner, batch: int) -> tuple[int, list[str]]:
     if not runner.use_graphs:
         return 0, []
-    graph, _ = runner.graphs[(1, runner.span_buckets[-1], "greedy")]
+    graph, _ = runner.graphs[(batch, runner.span_buckets[-1], "greedy")]
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         for _ in range(10):
             graph.replay()
@@ -139,7 +157,8 @@ def probe(variant: str, device: torch.device, preset_name: str, dtype: torch.dty
     repeats = 500 if device.type == "cuda" else 5
     result |= {f"batch{b}_ms": round(replay_ms(runner, b, repeats), 4) for b in BATCHES}
     result["greedy_agreement_b64"] = float((tokens == reference).float().mean())
-    result["kernels_b1"], result["top_kernels_b1"] = kernels_per_replay(runner)
+    for batch in (1, 64):
+        result[f"kernels_b{batch}"], result[f"top_kernels_b{batch}"] = kernels_per_replay(runner, batch)
     return result
 
 

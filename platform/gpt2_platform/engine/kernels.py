@@ -14,10 +14,12 @@ of those into the GEMV that reads the weights anyway, or into the attention:
   step), and adds the token and position embeddings.
 
 A layer up to `GEMV_MAX_BATCH` rows is then: ln_1 + QKV, attention, out-projection + residual,
-ln_2 + FC + GELU, down-projection + residual; above it, cuBLAS GEMMs around our attention. On
+ln_2 + FC + GELU, down-projection + residual; above it, cuBLAS GEMMs that add the residual in
+place, around our attention and a layer norm that adds the bias the GEMM left out. On
 Hopper they launch with programmatic dependent launch (`pdl_supported`). Numerics follow the
 model's own path in its dtype: every GEMM accumulates in fp32 and rounds its output once to the
-activation dtype, as cuBLAS does, and residual adds are done on the rounded values.
+activation dtype, as cuBLAS does, and residual adds are done on the rounded values; past
+`GEMV_MAX_BATCH` the residual is added inside the GEMM's fp32 sum and the bias after the rounding.
 
 The kernels run on CUDA, and in Triton's interpreter on CPU (`TRITON_INTERPRET=1`), which the tests
 use to check them against the model on a machine without a GPU.
@@ -188,6 +190,35 @@ if triton is not None:
         tl.store(out_ptr + b.to(tl.int64) * C + h * D + d, (acc / total).to(out_ptr.dtype.element_ty))
 
     @triton.jit
+    def _add_layer_norm_kernel(
+        x_ptr,  # (B, C) the residual stream, updated in place when there is a bias
+        bias_ptr,  # (C,) a linear's bias still to be added to x, or None
+        ln_w_ptr,
+        ln_b_ptr,
+        y_ptr,  # (B, C) out: layer_norm(x)
+        eps,
+        C: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK_C)
+        c_ok = c < C
+        dtype = x_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * C + c, mask=c_ok, other=0.0)
+        if HAS_BIAS:
+            # The bias the GEMM before left out (it added the residual instead), rounded as a residual add is.
+            x = (x.to(tl.float32) + tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(tl.float32)).to(dtype)
+            tl.store(x_ptr + row * C + c, x, mask=c_ok)
+        xf = x.to(tl.float32)
+        mean = tl.sum(xf, axis=0) / C
+        centred = tl.where(c_ok, xf - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / C + eps)
+        g = tl.load(ln_w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        beta = tl.load(ln_b_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * C + c, (centred * rstd * g + beta).to(dtype), mask=c_ok)
+
+    @triton.jit
     def _embed_kernel(
         staged_ptr,  # (4, S): token, position, step, fed
         tokens_ptr,  # (S,) what the previous step left
@@ -347,6 +378,24 @@ def decode_attention(
     return out
 
 
+def add_layer_norm(
+    x: torch.Tensor, bias: torch.Tensor | None, ln: tuple[torch.Tensor, torch.Tensor, float]
+) -> torch.Tensor:
+    """`x += bias` in place (when `bias` is given), then return `layer_norm(x)`; `x` `(B, C)`, one launch.
+
+    Lets a GEMM add the residual itself (`x.addmm_`, beta = 1) and leave its bias to the layer norm
+    that reads `x` next, so neither the residual add nor the bias costs a kernel of its own.
+    """
+    batch, width = x.shape
+    assert x.is_contiguous()
+    ln_w, ln_b, eps = ln
+    y = torch.empty_like(x)
+    _add_layer_norm_kernel[(batch,)](
+        x, bias, ln_w, ln_b, y, eps, C=width, BLOCK_C=_pow2(width), HAS_BIAS=bias is not None, num_warps=4
+    )
+    return y
+
+
 def embed(
     staged: torch.Tensor,
     tokens: torch.Tensor,
@@ -376,8 +425,8 @@ class TritonDecoder:
 
     Per layer at up to `GEMV_MAX_BATCH` rows: 5 launches (QKV with ln_1, attention with the cache
     write, out-projection with the residual, FC with ln_2 and GELU, down-projection with the
-    residual). Past it, the linears are torch's (cuBLAS GEMMs, which our `tl.dot` tiles did not
-    beat) around our attention. The LM head is always cuBLAS: 77 MB streamed, where our kernel
+    residual). Past it, 7 (`gemm_layers`): cuBLAS GEMMs, which our `tl.dot` tiles did not beat, that
+    add the residual themselves, around our attention and our layer norms that add the bias. The LM head is always cuBLAS: 77 MB streamed, where our kernel
     was no faster (a 0.2455 ms step against 0.2409 with cuBLAS, H200, 2026-12-01).
 
     Holds references to the model's own parameters (no copies), so it follows weights loaded later.
@@ -415,19 +464,34 @@ class TritonDecoder:
         """Logits `(B, padded vocab)` of rows [:batch], and the positions and steps they were computed at."""
         x, current = embed(staged, tokens, positions, steps, self.wte, self.wpe, batch)
         position = current[1, :batch]
-        gemv = batch <= GEMV_MAX_BATCH
-        for layer, (ln_1, qkv_proj, out_proj, ln_2, fc, down) in enumerate(self.layers):
-            if gemv:
-                pdl = self.pdl
+        if batch <= GEMV_MAX_BATCH:
+            pdl = self.pdl
+            for layer, (ln_1, qkv_proj, out_proj, ln_2, fc, down) in enumerate(self.layers):
                 qkv = ln_linear(x, *qkv_proj, ln=ln_1, pdl=pdl)
                 attended = decode_attention(qkv, kv[layer], position, pdl=pdl)
                 ln_linear(attended, *out_proj, residual=x, out=x, pdl=pdl)
                 hidden = ln_linear(x, *fc, ln=ln_2, gelu=True, pdl=pdl)
                 ln_linear(hidden, *down, residual=x, out=x, pdl=pdl)
-            else:
-                qkv = F.linear(F.layer_norm(x, (self.width,), *ln_1), *qkv_proj)
-                x = x + F.linear(decode_attention(qkv, kv[layer], position), *out_proj)
-                hidden = F.gelu(F.linear(F.layer_norm(x, (self.width,), *ln_2), *fc), approximate="tanh")
-                x = x + F.linear(hidden, *down)
-        logits = F.linear(F.layer_norm(x, (self.width,), *self.ln_f), self.head)
+            normed = F.layer_norm(x, (self.width,), *self.ln_f)
+        else:
+            normed = self.gemm_layers(x, kv, position)
+        logits = F.linear(normed, self.head)
         return logits, position, current[2, :batch]
+
+    def gemm_layers(self, x: torch.Tensor, kv: list[torch.Tensor], position: torch.Tensor) -> torch.Tensor:
+        """The layers on cuBLAS GEMMs around our attention, 7 launches a layer; returns `ln_f(x)`.
+
+        Each residual add happens inside the GEMM that produces it (`x.addmm_`, beta = 1); its bias
+        goes into the next layer norm's kernel (`add_layer_norm`); FC, its bias and GELU are one
+        cuBLASLt call with the GELU epilogue. The plain way (layer norm, linear, residual add, ...)
+        takes 10 launches a layer.
+        """
+        pending = None  # the down-projection's bias, still to be added to x
+        for layer, (ln_1, qkv_proj, out_proj, ln_2, fc, down) in enumerate(self.layers):
+            qkv = F.linear(add_layer_norm(x, pending, ln_1), *qkv_proj)
+            x.addmm_(decode_attention(qkv, kv[layer], position), out_proj[0].t())
+            # cuBLASLt's GELU epilogue is the tanh approximation GPT-2 uses (torch's fallback applies the same).
+            hidden = torch._addmm_activation(fc[1], add_layer_norm(x, out_proj[1], ln_2), fc[0].t(), use_gelu=True)
+            x.addmm_(hidden, down[0].t())
+            pending = down[1]
+        return add_layer_norm(x, pending, self.ln_f)
