@@ -164,14 +164,22 @@ class ModelRunner:
         view = self.cache.prefill(slot_ids, positions)
         with self._prefill_attention():
             hidden = self.model.hidden(tokens, positions=positions, cache=view, hidden_at=last)  # (B, C)
-        first = sample(
-            self._logits(hidden),
-            self.temperature[slot_ids],
-            self.top_k[slot_ids],
-            self.top_p[slot_ids],
-            self.seed[slot_ids],
-            torch.zeros(batch, dtype=torch.long, device=self.device),
-        )
+        logits = self._logits(hidden)
+        # The same choice of pick as a decode step's (`_mode`): for greedy rows only, the argmax without
+        # sample's float64 sort and noise over the whole vocabulary, eager kernels every prefill pays.
+        mode = self._mode_of([self.greedy[s] for s in slots], [self.limited[s] for s in slots])
+        if mode == "greedy":
+            first = torch.argmax(logits.float(), dim=-1)
+        else:
+            first = sample(
+                logits,
+                self.temperature[slot_ids],
+                self.top_k[slot_ids],
+                self.top_p[slot_ids],
+                self.seed[slot_ids],
+                torch.zeros(batch, dtype=torch.long, device=self.device),
+                filtered=mode == "filtered",
+            )
         return first.tolist()
 
     def _prefill_attention(self) -> contextlib.AbstractContextManager:
@@ -188,9 +196,13 @@ class ModelRunner:
 
     def _mode(self, active: int) -> str:
         """greedy (argmax only), plain (no top-k/top-p: no sort), or filtered; one graph each."""
-        if all(self.greedy[:active]):
+        return self._mode_of(self.greedy[:active], self.limited[:active])
+
+    @staticmethod
+    def _mode_of(greedy: list[bool], limited: list[bool]) -> str:
+        if all(greedy):
             return "greedy"
-        return "filtered" if any(self.limited[:active]) else "plain"
+        return "filtered" if any(limited) else "plain"
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, self.head)[..., : self.vocab_limit]
