@@ -284,7 +284,7 @@ def main() -> int:
         help="torch.compile the engine's decode step (default: the app's own default, on GPUs only)",
     )
     started.add_argument(
-        "--stream-interval-ms", type=float, default=0.0, help="limits.stream_interval_ms (0: every token)"
+        "--stream-interval-ms", type=float, default=20.0, help="limits.stream_interval_ms (0: every token)"
     )
     started.add_argument(
         "--engine-process", action="store_true", help="args.engine_process: the engine in a child process"

@@ -26,7 +26,7 @@ def start(
     max_seq_len: int,
     compile_step: bool | None = None,
     gpu_monitor: bool | None = None,
-    stream_interval_ms: float = 0.0,
+    stream_interval_ms: float = 20.0,
     engine_process: bool = False,
 ) -> dict[str, Any]:
     """Write the model, start Serve on 127.0.0.1:`port` and deploy one replica; returns what was deployed."""
