@@ -88,6 +88,31 @@ def test_engine_with_cuda_graphs_matches_transformers_greedy_in_fp32(tmp_path):
         engine.shutdown()
 
 
+@pytest.mark.parametrize(
+    "sampling", [(0.0, 0, 1.0), (0.9, 0, 1.0), (0.9, 20, 0.8)], ids=["greedy", "plain", "filtered"]
+)
+def test_a_one_prompt_prefill_replayed_as_a_graph_fills_the_cache_and_picks_as_the_eager_one(sampling):
+    from gpt2_platform.engine.runner import ModelRunner
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = GPT2(preset("tiny"))
+    device = torch.device("cuda")
+    graphed = ModelRunner(model, 4, 128, torch.float32, device, cuda_graphs=True)
+    eager = ModelRunner(model, 4, 128, torch.float32, device, cuda_graphs=False)
+    temperature, top_k, top_p = sampling
+    # Lengths in three width buckets; the longer prompt first, so the shorter one's padding holds stale tokens.
+    prompts = [list(range(1, 100)), [7, 8, 9], list(range(40, 60))]
+    for slot, prompt in enumerate(prompts):
+        for runner in (graphed, eager):
+            runner.set_sampling(slot, temperature, top_k, top_p, seed=slot)
+        assert graphed.prefill([prompt], [slot]) == eager.prefill([prompt], [slot])
+        for ours, theirs in zip(graphed.cache.kv, eager.cache.kv, strict=True):
+            torch.testing.assert_close(ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)])
+    mode = "greedy" if temperature == 0 else ("filtered" if top_k else "plain")
+    assert {key for key in graphed.prefill_graphs} == {(16, mode), (32, mode), (128, mode)}
+
+
 def test_engine_bf16_sampling_is_reproducible_per_seed_on_gpu():
     from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams
     from gpt2_platform.engine.sampling import SamplingParams

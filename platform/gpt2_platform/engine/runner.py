@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -116,6 +117,13 @@ class ModelRunner:
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.seed = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # A prefill of one prompt (what a lone request, or one joining alone, gets) replays a graph per
+        # (width bucket, mode) too: eager, its 200-odd small kernels cost milliseconds of launches at
+        # batch 1. Its inputs, in one copy: the slot, the last prompt position, then the tokens.
+        self.prefill_graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.one_prompt = torch.zeros(max_seq_len + 2, dtype=torch.long, device=device)
+        self.host_one_prompt = torch.zeros(max_seq_len + 2, dtype=torch.long, pin_memory=pinned)
+        self.prompt_positions = torch.arange(max_seq_len, device=device)[None, :]
         # Compiled with dynamic shapes, the step fuses its small kernels (layer norms, GELU,
         # residuals, cache writes) once for every bucket; the graphs are then captured around it.
         # Two compiled parts: the model, the same for every sampling mode, and the small pick of the
@@ -154,33 +162,58 @@ class ModelRunner:
         # Pad to a power-of-two width: few shapes, each warmed before serving (a new
         # attention shape costs hundreds of ms of kernel planning on its first use).
         width = bucket_for(longest, self.prefill_buckets)
+        mode = self._mode_of([self.greedy[s] for s in slots], [self.limited[s] for s in slots])
+        if self.use_graphs and batch == 1:
+            prompt = prompts[0]
+            host = self.host_one_prompt
+            host[0], host[1] = slots[0], len(prompt) - 1
+            host[2 : 2 + len(prompt)] = torch.tensor(prompt)
+            # Positions past the prompt keep an earlier prompt's tokens: causal attention keeps them out
+            # of the prompt's own outputs, and decode steps overwrite their cache entries before reading.
+            self.one_prompt[: 2 + len(prompt)].copy_(host[: 2 + len(prompt)], non_blocking=True)
+            graph, out = self.prefill_graphs.get((width, mode)) or self._capture_prefill(width, mode)
+            graph.replay()
+            return out.tolist()
         tokens = torch.zeros(batch, width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = torch.tensor(prompt)
         tokens = tokens.to(self.device)
         slot_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
-        positions = torch.arange(width, device=self.device).expand(batch, width)
+        positions = self.prompt_positions[:, :width].expand(batch, width)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        view = self.cache.prefill(slot_ids, positions)
+        return self._prefill(tokens, slot_ids, positions, last, mode).tolist()
+
+    def _prefill(
+        self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, last: torch.Tensor, mode: str
+    ) -> torch.Tensor:
+        """Prompts `tokens` `(B, T)` into `slots` `(B,)`; the first token of each, from its logits at `last`."""
+        view = self.cache.prefill(slots, positions)
         with self._prefill_attention():
             hidden = self.model.hidden(tokens, positions=positions, cache=view, hidden_at=last)  # (B, C)
         logits = self._logits(hidden)
         # The same choice of pick as a decode step's (`_mode`): for greedy rows only, the argmax without
-        # sample's float64 sort and noise over the whole vocabulary, eager kernels every prefill pays.
-        mode = self._mode_of([self.greedy[s] for s in slots], [self.limited[s] for s in slots])
+        # sample's float64 sort and noise over the whole vocabulary.
         if mode == "greedy":
-            first = torch.argmax(logits.float(), dim=-1)
-        else:
-            first = sample(
-                logits,
-                self.temperature[slot_ids],
-                self.top_k[slot_ids],
-                self.top_p[slot_ids],
-                self.seed[slot_ids],
-                torch.zeros(batch, dtype=torch.long, device=self.device),
-                filtered=mode == "filtered",
-            )
-        return first.tolist()
+            return torch.argmax(logits.float(), dim=-1)
+        return sample(
+            logits,
+            self.temperature[slots],
+            self.top_k[slots],
+            self.top_p[slots],
+            self.seed[slots],
+            torch.zeros_like(slots),
+            filtered=mode == "filtered",
+        )
+
+    def _prefill_one(self, width: int, mode: str) -> torch.Tensor:
+        """The captured body of a one-prompt prefill: reads `one_prompt` (slot, last position, tokens)."""
+        one = self.one_prompt
+        return self._prefill(one[2 : 2 + width][None, :], one[0:1], self.prompt_positions[:, :width], one[1:2], mode)
+
+    def _capture_prefill(self, width: int, mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        graph, out = self._capture_graph(lambda: self._prefill_one(width, mode))
+        self.prefill_graphs[(width, mode)] = (graph, out)
+        return graph, out
 
     def _prefill_attention(self) -> contextlib.AbstractContextManager:
         """On CUDA, keep prefills off cuDNN's attention, which plans anew for every (batch, width) it meets.
@@ -298,16 +331,25 @@ class ModelRunner:
         return self.launch(rows, max(positions)).tokens()
 
     def _capture(self, batch: int, span: int, mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        graph, out = self._capture_graph(lambda: self._decode_step(batch, span, mode))
+        self.graphs[(batch, span, mode)] = (graph, out)
+        return graph, out
+
+    def _capture_graph(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """`step` captured as a CUDA graph, and the tensor it returns (filled by every replay).
+
+        All graphs share one memory pool: each output is read (copied to the host) right after its
+        replay, before any other graph runs on the stream and may reuse that memory.
+        """
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up kernels (and cuBLAS workspaces) outside the graph
-                self._decode_step(batch, span, mode)
+                step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool()):
-            out = self._decode_step(batch, span, mode)
-        self.graphs[(batch, span, mode)] = (graph, out)
+            out = step()
         return graph, out
 
     def _pool(self):
@@ -336,7 +378,13 @@ class ModelRunner:
                     else:
                         self._decode_step(batch, span, mode)
         for width in self.prefill_buckets:
-            self.prefill([[0] * width], [0])
+            self.prefill([[0] * width], [0])  # one prompt: on CUDA, captures the greedy prefill graphs
+            if self.num_slots > 1:
+                self.prefill([[0] * width] * 2, [0, 1])  # several: eager
+            if self.use_graphs:
+                for mode in modes:
+                    if (width, mode) not in self.prefill_graphs:
+                        self._capture_prefill(width, mode)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
