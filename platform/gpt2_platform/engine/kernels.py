@@ -426,8 +426,9 @@ class TritonDecoder:
     Per layer at up to `GEMV_MAX_BATCH` rows: 5 launches (QKV with ln_1, attention with the cache
     write, out-projection with the residual, FC with ln_2 and GELU, down-projection with the
     residual). Past it, 7 (`gemm_layers`): cuBLAS GEMMs, which our `tl.dot` tiles did not beat, that
-    add the residual themselves, around our attention and our layer norms that add the bias. The LM head is always cuBLAS: 77 MB streamed, where our kernel
-    was no faster (a 0.2455 ms step against 0.2409 with cuBLAS, H200, 2026-12-01).
+    add the residual themselves, around our attention and our layer norms that add the bias. The LM
+    head is always cuBLAS: 77 MB streamed, where our kernel was no faster (a 0.2455 ms step against
+    0.2409 with cuBLAS, H200, 2026-12-01).
 
     Holds references to the model's own parameters (no copies), so it follows weights loaded later.
     `pdl`: programmatic dependent launch between our kernels; None: where the device supports it.

@@ -359,7 +359,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self, modes: tuple[str, ...] = SAMPLING_MODES) -> float:
-        """Run (and on CUDA capture) every decode shape of `modes` and a prefill, before serving; returns seconds.
+        """Run (and on CUDA capture) every decode and prefill shape of `modes` before serving; returns seconds.
 
         A mode left out is captured on first use instead (tens of ms per shape): a batch job that
         only decodes greedily need not capture the sampling graphs at start.
