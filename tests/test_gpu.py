@@ -230,7 +230,11 @@ def test_programmatic_dependent_launch_gives_the_same_logits_as_plain_launches_i
         )
         runner.decoder.pdl = pdl
         with torch.inference_mode():
-            runner.decode([11], [0], [1])  # captures the batch-1 graph
-            steps = [runner.decode([11 + t % 50], [t], [1]) for t in range(1, 100)]
+            # Batch 1 runs our GEMV kernels back to back; batch 8 our kernels after cuBLAS GEMMs.
+            steps = [
+                runner.decode([11 + (t + row) % 50 for row in range(batch)], [t] * batch, [1] * batch)
+                for batch in (1, 8)
+                for t in range(100)
+            ]
         tokens[pdl] = steps
     assert tokens[True] == tokens[False]

@@ -200,11 +200,15 @@ if triton is not None:
         C: tl.constexpr,
         BLOCK_C: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK_C)
         c_ok = c < C
         dtype = x_ptr.dtype.element_ty
+        if PDL:  # x comes from the GEMM before: wait for it before reading (or writing) it
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(x_ptr + row * C + c, mask=c_ok, other=0.0)
         if HAS_BIAS:
             # The bias the GEMM before left out (it added the residual instead), rounded as a residual add is.
@@ -379,19 +383,31 @@ def decode_attention(
 
 
 def add_layer_norm(
-    x: torch.Tensor, bias: torch.Tensor | None, ln: tuple[torch.Tensor, torch.Tensor, float]
+    x: torch.Tensor, bias: torch.Tensor | None, ln: tuple[torch.Tensor, torch.Tensor, float], pdl: bool = False
 ) -> torch.Tensor:
     """`x += bias` in place (when `bias` is given), then return `layer_norm(x)`; `x` `(B, C)`, one launch.
 
     Lets a GEMM add the residual itself (`x.addmm_`, beta = 1) and leave its bias to the layer norm
-    that reads `x` next, so neither the residual add nor the bias costs a kernel of its own.
+    that reads `x` next, so neither the residual add nor the bias costs a kernel of its own. `pdl`:
+    launch with programmatic dependent launch, so that the launch overlaps the GEMM's last blocks.
     """
     batch, width = x.shape
     assert x.is_contiguous()
     ln_w, ln_b, eps = ln
     y = torch.empty_like(x)
     _add_layer_norm_kernel[(batch,)](
-        x, bias, ln_w, ln_b, y, eps, C=width, BLOCK_C=_pow2(width), HAS_BIAS=bias is not None, num_warps=4
+        x,
+        bias,
+        ln_w,
+        ln_b,
+        y,
+        eps,
+        C=width,
+        BLOCK_C=_pow2(width),
+        HAS_BIAS=bias is not None,
+        PDL=pdl,
+        num_warps=4,
+        **_launch(pdl),
     )
     return y
 
@@ -487,12 +503,14 @@ class TritonDecoder:
         cuBLASLt call with the GELU epilogue. The plain way (layer norm, linear, residual add, ...)
         takes 10 launches a layer.
         """
+        pdl = self.pdl  # for our kernels, each of which follows a cuBLAS one here
         pending = None  # the down-projection's bias, still to be added to x
         for layer, (ln_1, qkv_proj, out_proj, ln_2, fc, down) in enumerate(self.layers):
-            qkv = F.linear(add_layer_norm(x, pending, ln_1), *qkv_proj)
-            x.addmm_(decode_attention(qkv, kv[layer], position), out_proj[0].t())
+            qkv = F.linear(add_layer_norm(x, pending, ln_1, pdl=pdl), *qkv_proj)
+            x.addmm_(decode_attention(qkv, kv[layer], position, pdl=pdl), out_proj[0].t())
             # cuBLASLt's GELU epilogue is the tanh approximation GPT-2 uses (torch's fallback applies the same).
-            hidden = torch._addmm_activation(fc[1], add_layer_norm(x, out_proj[1], ln_2), fc[0].t(), use_gelu=True)
+            normed = add_layer_norm(x, out_proj[1], ln_2, pdl=pdl)
+            hidden = torch._addmm_activation(fc[1], normed, fc[0].t(), use_gelu=True)
             x.addmm_(hidden, down[0].t())
             pending = down[1]
-        return add_layer_norm(x, pending, self.ln_f)
+        return add_layer_norm(x, pending, self.ln_f, pdl=pdl)
