@@ -91,6 +91,13 @@ def test_missing_config_file_exits_2_naming_it(capsys, storage: Path, tmp_path: 
     assert_user_error(code, capsys, storage, str(missing), "does not exist", "jobs/configs/")
 
 
+def test_malformed_yaml_exits_2_naming_the_file_and_line(capsys, storage: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(TINY_RECIPE.read_text().replace("  block_size: 128", " block_size: 128", 1))
+    code = run_cli(storage, config=broken)
+    assert_user_error(code, capsys, storage, str(broken), "line 7", "is not valid YAML")
+
+
 def test_unknown_preset_fails_in_a_fresh_process_without_starting_ray() -> None:
     command = [sys.executable, "jobs/train.py", "--config", "jobs/configs/tiny.yaml", "--set", "model.preset=gpt5"]
     started = time.monotonic()

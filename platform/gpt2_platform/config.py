@@ -311,7 +311,13 @@ def _apply_override(tree: dict[str, Any], assignment: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"--set {key}: {part} is not a section")
     # YAML parsing gives numbers, booleans, null and lists their types.
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as error:
+        raise ConfigError(
+            f"--set {key}: the value {raw!r} is not valid YAML ({_yaml_problem(error)}); "
+            "write it as YAML, e.g. [a.txt, b.txt] or a quoted string"
+        ) from error
 
 
 def from_dict(values: dict[str, Any]) -> Config:
@@ -319,14 +325,43 @@ def from_dict(values: dict[str, Any]) -> Config:
     return _build(Config, values, "")
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's reason in one line, without its own (multi-line) rendering of the place."""
+    if isinstance(error, yaml.MarkedYAMLError):
+        return " ".join(part for part in (error.context, error.problem) if part)
+    return str(error).splitlines()[0]
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML file's top-level mapping; a file that is not one is a ConfigError naming the file (and line)."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; recipes live in jobs/configs/")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte offset {error.start}); save it as UTF-8"
+        ) from error
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+        where = f"{path}, line {mark.line + 1} column {mark.column + 1}" if mark is not None else str(path)
+        raise ConfigError(f"config file {where} is not valid YAML: {_yaml_problem(error)}") from error
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"config file {path} holds a {type(tree).__name__}, not a mapping of sections (model:, data:, ...)"
+        )
+    return tree
+
+
 def load_tree(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """A YAML recipe (or nothing) as a nested mapping, with `a.b=c` overrides applied."""
     tree: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; recipes live in jobs/configs/")
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = _read_yaml(Path(path))
     for assignment in overrides:
         _apply_override(tree, assignment)
     return tree
