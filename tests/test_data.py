@@ -297,3 +297,40 @@ def test_too_few_tokens_for_one_block(ray_cluster, tmp_path: Path) -> None:
 def test_a_tokenizer_larger_than_the_model_vocabulary(ray_cluster, corpus: Path) -> None:
     with pytest.raises(DataError, match=r"tokenizer 'byte' has 257 tokens but the model's vocabulary is 100"):
         build([corpus], vocab_size=100)
+
+
+@pytest.mark.parametrize(
+    ("data", "offset", "reason"),
+    [
+        (b"plain text " * 10 + b"\xff rest", 110, "invalid start byte"),
+        # A two-byte character whose continuation is missing; the check reads in chunks, so a character
+        # cut by a chunk boundary must still decode, and an error past one must count the earlier chunks.
+        ("caf\u00e9 ".encode() * 7 + b"\xc3(", 42, "invalid continuation byte"),
+        ("na\u00efve".encode()[:3], 2, "unexpected end of data"),
+    ],
+    ids=["random-byte", "broken-sequence", "truncated-at-the-end"],
+)
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_text_that_is_not_utf8_is_refused_naming_file_and_offset(
+    tmp_path: Path, data: bytes, offset: int, reason: str, suffix: str
+) -> None:
+    from gpt2_platform.train import data as data_lib
+
+    path = tmp_path / f"bytes{suffix}"
+    # For JSONL the bad bytes sit inside a valid first record's string.
+    path.write_bytes(b'{"text": "ok"}\n' + data if suffix == ".jsonl" else data)
+    expected = offset + (15 if suffix == ".jsonl" else 0)
+    for chunk_bytes in (5, 1 << 20):
+        with pytest.raises(DataError, match=f"bytes{suffix} is not UTF-8 text: {reason} at byte offset {expected} "):
+            data_lib._check_utf8(path, chunk_bytes)
+    with pytest.raises(DataError, match=f"bytes{suffix} is not UTF-8 text: {reason} at byte offset {expected} "):
+        data_lib.files_by_format(DataConfig(paths=[str(path)]))
+
+
+def test_utf8_text_with_many_chunk_boundaries_passes(tmp_path: Path) -> None:
+    from gpt2_platform.train import data as data_lib
+
+    path = tmp_path / "multibyte.txt"
+    path.write_text("\u00e9\u4e2d\U0001f600 " * 1000, encoding="utf-8")
+    for chunk_bytes in (1, 2, 3, 5, 1 << 20):
+        data_lib._check_utf8(path, chunk_bytes)

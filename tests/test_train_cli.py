@@ -98,6 +98,13 @@ def test_malformed_yaml_exits_2_naming_the_file_and_line(capsys, storage: Path, 
     assert_user_error(code, capsys, storage, str(broken), "line 7", "is not valid YAML")
 
 
+def test_random_bytes_as_text_exit_2_naming_file_and_offset(capsys, storage: Path, tmp_path: Path) -> None:
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(b"a readable start, then " + bytes(range(128, 256)) * 40)
+    code = run_cli(storage, f"data.paths=[{noise}]")
+    assert_user_error(code, capsys, storage, str(noise), "is not UTF-8 text", "byte offset 23", "data.paths")
+
+
 def test_unknown_preset_fails_in_a_fresh_process_without_starting_ray() -> None:
     command = [sys.executable, "jobs/train.py", "--config", "jobs/configs/tiny.yaml", "--set", "model.preset=gpt5"]
     started = time.monotonic()

@@ -8,6 +8,7 @@ or column fails in seconds with a message that says what to fix.
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import logging
@@ -105,12 +106,36 @@ def _check_column(path: Path, fmt: str, column: str) -> None:
                     return
 
 
+def _check_utf8(path: Path, chunk_bytes: int = 1 << 20) -> None:
+    """Text and JSONL must be UTF-8: bytes that are not would train as replacement characters, unnoticed."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes of the file handed to the decoder so far
+    with path.open("rb") as f:
+        while True:
+            chunk = f.read(chunk_bytes)
+            pending = len(decoder.getstate()[0])  # the start of a character cut by the last chunk
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:
+                at = offset - pending + error.start
+                raise DataError(
+                    f"{path} is not UTF-8 text: {error.reason} at byte offset {at} "
+                    f"(byte 0x{error.object[error.start]:02x}); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) "
+                    "or remove it from data.paths"
+                ) from error
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
 def files_by_format(config: DataConfig) -> dict[str, list[str]]:
     """The non-empty data files grouped by format, each checked for the text column (no Ray needed)."""
     by_format: dict[str, list[str]] = {}
     for path in find_files(config.paths):
         fmt = file_format(path, config.format)
         if path.stat().st_size:
+            if fmt in ("text", "jsonl"):
+                _check_utf8(path)
             _check_column(path, fmt, config.text_column)
             by_format.setdefault(fmt, []).append(str(path))
     return by_format
