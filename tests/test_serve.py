@@ -44,6 +44,7 @@ LIMITS = {
     "max_tokens_cap": 250,
     "default_max_tokens": 16,
     "max_waiting": 8,
+    "body_timeout_s": 2.0,  # short, so the slow-client test waits seconds
 }
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -321,6 +322,11 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ({}, 400, "prompt"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "x", "stop": "y" * 129}, 400, "stop"),  # over limits.max_stop_chars (128)
+    ({"prompt": None}, 400, "prompt"),  # null means the default, and prompt has none
+    # Bytes no 256-token context can hold (no token of the byte tokenizer spells more than 13 bytes):
+    # refused before it is tokenized.
+    ({"prompt": "x" * 19_000}, 400, "max_tokens"),
 ]
 
 
@@ -385,6 +391,104 @@ def test_the_api_key_is_required_except_for_health(base_url):
     assert httpx.get(f"{base_url}/v1/models").status_code == 401
     assert httpx.post(f"{base_url}/v1/completions", json=request, headers=AUTH).status_code == 200
     assert httpx.get(f"{base_url}/health").status_code == 200
+
+
+def test_an_explicit_null_is_the_default_and_an_unseeded_request_reports_its_seed(client):
+    nulls = {"temperature": None, "top_p": None, "top_k": None, "max_tokens": None, "seed": None, "stop": None}
+    body = complete(client, prompt="alice has", ignore_eos=True, stream=None, n=None, **nulls)
+    (choice,) = body["choices"]
+    assert body["usage"]["completion_tokens"] == LIMITS["default_max_tokens"]
+    # Sent back, the seed it reports reproduces the text, streamed or not.
+    again = complete(client, prompt="alice has", ignore_eos=True, seed=choice["seed"])
+    assert again["choices"][0]["text"] == choice["text"] and again["choices"][0]["seed"] == choice["seed"]
+    request = {"prompt": "alice has", "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=request) as response:
+        chunks = [e for e in sse_events(response) if e != "[DONE]"]
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "length" and isinstance(last["seed"], int)
+    reseeded = complete(client, prompt="alice has", ignore_eos=True, seed=last["seed"])["choices"][0]["text"]
+    assert reseeded == "".join(c["choices"][0]["text"] for c in chunks)
+
+
+def test_model_retrieval_and_chat_completions_answer_in_openai_json(client):
+    card = client.get(f"/v1/models/{MODEL_NAME}")
+    assert card.status_code == 200 and card.json()["id"] == MODEL_NAME and card.json()["object"] == "model"
+    error = assert_openai_error(client.get("/v1/models/gpt-4"), 404, "model")
+    assert error["code"] == "model_not_found"
+    chat = client.post(
+        "/v1/chat/completions", json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    error = assert_openai_error(chat, 404, None)
+    assert "chat template" in error["message"] and "/v1/completions" in error["message"]
+
+
+def test_the_openai_client_lists_retrieves_completes_and_streams(base_url):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    assert [model.id for model in client.models.list()] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    request = {"model": MODEL_NAME, "prompt": "bob has", "max_tokens": 8, "temperature": 0, "seed": 3}
+    text = client.completions.create(**request).choices[0].text
+    streamed = "".join(
+        chunk.choices[0].text for chunk in client.completions.create(**request, stream=True) if chunk.choices
+    )
+    assert len(text) == 8 and streamed == text
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model=MODEL_NAME, prompt="x" * 19_000)
+    with pytest.raises(openai.NotFoundError, match="chat template"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}])
+
+
+def _slow_client(port: int) -> socket.socket:
+    """A connection that declares a 5,000-byte body and sends 10 bytes of it."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: 5000\r\n\r\n"
+    )
+    sock.sendall(head.encode() + b'{"prompt":')
+    return sock
+
+
+def _read_response(sock: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of a response on a raw socket (read until the server closes)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split()[1])
+    if b"transfer-encoding: chunked" in head.lower():  # one chunk: "<size>\r\n<json>\r\n0\r\n\r\n"
+        body = body.split(b"\r\n")[1]
+    return status, json.loads(body)
+
+
+def test_slow_bodies_get_408_while_good_requests_and_health_answer_promptly(client, base_url):
+    port = int(base_url.rsplit(":", 1)[1])
+    slow = [_slow_client(port) for _ in range(48)]  # more than Serve's default of 32 ongoing requests before
+    try:
+        started = time.monotonic()
+        assert client.get("/health", timeout=10).status_code == 200
+        assert complete(client, prompt="still here", max_tokens=4)["choices"]
+        assert time.monotonic() - started < 4, "a good request waited behind the slow clients"
+        for sock in slow:
+            status, body = _read_response(sock)
+            assert status == 408, body
+            assert body["error"]["code"] == "request_timeout" and "10 of 5000 bytes" in body["error"]["message"]
+        # The body deadline is 2 s; the margin is for a loaded machine.
+        assert time.monotonic() - started < 20
+    finally:
+        for sock in slow:
+            sock.close()
+    # They count as 408s, not as server errors (a timed-out body used to be recorded as a 500).
+    from conftest import prometheus_lines
+
+    lines = prometheus_lines("ray_gpt2_serve_requests_total", 'status="408"')
+    assert lines and float(lines[0].rsplit(" ", 1)[1]) >= len(slow), lines
+    assert not [
+        line for line in prometheus_lines("ray_gpt2_serve_requests_total", timeout_s=1) if 'status="500"' in line
+    ]
 
 
 # ---- overload, disconnects, failures, scaling ----------------------------------------------------------

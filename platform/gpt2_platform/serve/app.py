@@ -2,18 +2,21 @@
 
     serve run deployments/gpt2.yaml
 
-Routes: POST /v1/completions (OpenAI, with SSE streaming), GET /v1/models,
-POST /generate (the seed project's simple endpoint), GET /health and
+Routes: POST /v1/completions (OpenAI, with SSE streaming), GET /v1/models and
+/v1/models/{id}, POST /generate (the seed project's simple endpoint), GET /health and
 GET /v1/engine/stats (the engine's own counters: how it actually batched).
+POST /v1/chat/completions answers that this model has no chat template.
 """
 
 # No `from __future__ import annotations` here: Serve converts a builder's args
 # to its pydantic model only when the annotation is the class itself, not a string.
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,8 +28,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
+from transformers import PreTrainedTokenizerBase
 
 from gpt2_platform import checkpoint
+from gpt2_platform.engine.detokenize import ByteTable
 from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams
 from gpt2_platform.engine.process import EngineProcess
 from gpt2_platform.engine.sampling import SamplingParams
@@ -51,8 +56,22 @@ def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
+# The Retry-After of a 503 when the engine died: about the time Serve takes to notice (health_check_period_s)
+# and start a replacement replica of a small model.
+_ENGINE_DEAD_RETRY_AFTER_S = 10
+
+
 def _engine_failed(event: Event) -> APIError:
-    return APIError(503, f"generation failed: {event.error}; retry the request", errors.SERVER_ERROR)
+    return errors.unavailable(
+        f"generation failed: {event.error}; retry the request", _ENGINE_DEAD_RETRY_AFTER_S, "engine_failed"
+    )
+
+
+def _longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The most UTF-8 bytes one token spells, special tokens included; None unless the tokenizer is plain
+    byte-level BPE, where a text's bytes are exactly its tokens' bytes (so bytes / this bounds its tokens)."""
+    table = ByteTable.of(tokenizer)
+    return None if table is None else max(map(len, table.token_bytes))
 
 
 def _local_path(name: str, field: str) -> str:
@@ -61,8 +80,17 @@ def _local_path(name: str, field: str) -> str:
     if path.is_dir():
         return str(path.resolve())
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        where = ""
+        if not path.is_absolute() and _in_ray_worker():
+            # `serve deploy` and `serve run <config>` build the app in a task on the cluster, not in the
+            # shell the user typed the path in: say so, since the path may well exist there.
+            where = (
+                f" (a relative path is resolved where the app is built: here, on the cluster, in {Path.cwd()}; "
+                "give an absolute path that every node can read, or use `serve run "
+                "gpt2_platform.serve.app:build_app model=...`, which resolves it where you type it)"
+            )
         raise ValueError(
-            f"{field} directory {name!r} does not exist; `make demo` exports runs/demo-tiny/model, "
+            f"{field} directory {name!r} does not exist{where}; `make demo` exports runs/demo-tiny/model, "
             f"or set args.{field} to a Hugging Face model directory or hub name"
         )
     return name
@@ -84,6 +112,10 @@ class GPT2Server:
         self.moderator = moderator  # built once by the app builder from args.moderation
         self.api_key = errors.read_api_key(args.api_key_env)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        # One thread, so the tokenizer (not safe to call from two threads at once) never is; large
+        # prompts tokenize there and the event loop keeps serving the others meanwhile.
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpt2-tokenize")
+        self._max_token_bytes = _longest_token_bytes(self.tokenizer)
         config = EngineConfig(
             max_batch_size=args.max_batch_size,
             max_seq_len=args.max_seq_len,
@@ -123,6 +155,8 @@ class GPT2Server:
             self.metrics.stop()
         if hasattr(self, "engine"):
             self.engine.shutdown()
+        if hasattr(self, "_tokenize_pool"):
+            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- routes --------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -136,6 +170,15 @@ class GPT2Server:
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         return await self._respond("models", request, self._models)
+
+    # `:path`: a served name may hold slashes (openai-community/gpt2), as OpenAI's client sends it.
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, request: Request, model_id: str) -> Response:
+        return await self._respond("model", request, lambda request: self._model(model_id))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._respond("chat_completions", request, self._no_chat)
 
     @app.get("/v1/engine/stats")
     async def engine_stats(self, request: Request) -> Response:
@@ -160,7 +203,8 @@ class GPT2Server:
         except APIError as error:
             response = error.response()
         except EngineDeadError as error:
-            response = APIError(503, f"{error}; this replica is being replaced", errors.SERVER_ERROR).response()
+            message = f"{error}; this replica is being replaced, retry the request"
+            response = errors.unavailable(message, _ENGINE_DEAD_RETRY_AFTER_S, "engine_failed").response()
         except asyncio.CancelledError:
             self.metrics.record_request(route, 499)  # the client went away
             raise
@@ -171,9 +215,10 @@ class GPT2Server:
         return response
 
     async def _completions(self, request: Request) -> Response:
-        body = await schemas.read_json(request, schemas.CompletionRequest, self.limits.max_body_bytes)
+        body = await schemas.read_json(request, schemas.CompletionRequest, self.limits)
         body.check(self.limits, self.model_name)
-        prompts = [self._encode(p, "prompt") if isinstance(p, str) else p for p in body.prompt_list()]
+        reserve = body.max_tokens or self.limits.default_max_tokens
+        prompts = [await self._encode(p, "prompt", reserve) if isinstance(p, str) else p for p in body.prompt_list()]
         jobs = [Job(prompt, self._completion_params(body, i)) for prompt in prompts for i in range(body.n)]
         for job in jobs:
             self._validate(job, length_param="max_tokens")
@@ -191,8 +236,8 @@ class GPT2Server:
 
     async def _generate(self, request: Request) -> Response:
         started_at = time.perf_counter()
-        body = await schemas.read_json(request, schemas.GenerateRequest, self.limits.max_body_bytes)
-        prompt = self._encode(body.prompt, "prompt")
+        body = await schemas.read_json(request, schemas.GenerateRequest, self.limits)
+        prompt = await self._encode(body.prompt, "prompt", 1, length_param="max_length")
         max_tokens = body.max_length - len(prompt)
         if max_tokens < 1:
             raise bad_request(
@@ -211,10 +256,27 @@ class GPT2Server:
         response = {"generated_text": text, "inference_time": time.perf_counter() - started_at}
         if outputs[0]["finish_reason"] == CONTENT_FILTER:  # the continuation was withheld
             response["finish_reason"] = CONTENT_FILTER
+        response["seed"] = outputs[0].get("seed")
         return JSONResponse(response)
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse(schemas.model_list(self.model_name, self.created, self.engine.max_seq_len))
+
+    async def _model(self, model_id: str) -> Response:
+        if model_id != self.model_name:
+            message = f"model {model_id!r} is not served here; this server serves {self.model_name!r}"
+            raise APIError(404, message, param="model", code="model_not_found")
+        return JSONResponse(schemas.model_card(self.model_name, self.created, self.engine.max_seq_len))
+
+    async def _no_chat(self, request: Request) -> Response:
+        # 404, not 400: no body could make this route work here, and OpenAI's client reads a 404 as
+        # "this model/endpoint does not exist" (NotFoundError) rather than "fix your request".
+        raise APIError(
+            404,
+            f"model {self.model_name!r} has no chat template, so this server has no /v1/chat/completions; "
+            "send the text to continue as `prompt` to POST /v1/completions",
+            code="chat_not_supported",
+        )
 
     async def _engine_stats(self, request: Request) -> Response:
         context = serve.get_replica_context()
@@ -222,13 +284,31 @@ class GPT2Server:
         return JSONResponse({**self.engine.stats(), "max_batch_size": self.args.max_batch_size, "replica": replica})
 
     # ---- turning a request into engine work ----------------------------------------------------
-    def _encode(self, text: str, param: str) -> list[int]:
+    async def _encode(self, text: str, param: str, reserve: int, length_param: str = "max_tokens") -> list[int]:
+        """The text's token ids; 400 before tokenizing a text too long for the context whatever its tokens.
+
+        `reserve`: the tokens the request needs after the prompt (they shrink the room for it).
+        """
         if not text:
             raise bad_request(f"{param} is empty; send at least one character", param)
         try:
-            text.encode("utf-8")
+            num_bytes = len(text.encode("utf-8"))
         except UnicodeEncodeError:  # a lone surrogate ("\ud800") is valid JSON but not text
             raise bad_request(f"{param} is not valid Unicode text (it holds a lone surrogate)", param) from None
+        room = self.engine.max_seq_len - reserve
+        if self._max_token_bytes is not None and num_bytes > max(room, 0) * self._max_token_bytes:
+            # No token spells more than _max_token_bytes bytes, so this text needs more than `room` tokens.
+            raise bad_request(
+                f"{param} is {num_bytes} bytes, more than the {max(room, 0)} tokens left of this model's "
+                f"{self.engine.max_seq_len}-token context can hold (at most {self._max_token_bytes} bytes a "
+                f"token); shorten the prompt or lower {length_param}",
+                length_param,
+                "context_length_exceeded",
+            )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self._tokenize, text)
+
+    def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _completion_params(self, body: schemas.CompletionRequest, choice_index: int) -> GenerationParams:
@@ -330,6 +410,7 @@ class GPT2Server:
         """Every choice's full text and finish reason, and the completion tokens of all of them."""
         texts: list[list[str]] = [[] for _ in range(num_choices)]
         reasons: list[str | None] = [None] * num_choices
+        seeds: list[int | None] = [None] * num_choices
         completion_tokens = 0
         async with contextlib.aclosing(choices.events()) as events:
             async for index, event in events:
@@ -337,9 +418,9 @@ class GPT2Server:
                     raise _engine_failed(event)
                 texts[index].append(event.text)
                 if event.finished:
-                    reasons[index] = event.finish_reason
+                    reasons[index], seeds[index] = event.finish_reason, event.seed
                     completion_tokens += event.completion_tokens
-        outputs = [schemas.choice(i, "".join(texts[i]), reasons[i]) for i in range(num_choices)]
+        outputs = [schemas.choice(i, "".join(texts[i]), reasons[i], seeds[i]) for i in range(num_choices)]
         if self.moderator is not None and self.moderator.checks_completions:
             for output in outputs:
                 if await self._moderate(self.moderator.check_completion, output["text"]) is not None:
@@ -378,7 +459,8 @@ class GPT2Server:
                 if finish_reason == CONTENT_FILTER:
                     filtered.add(index)
                 if text or finish_reason:
-                    output = schemas.choice(index, text, finish_reason)
+                    # The seed goes with the choice's last chunk (the one with its finish_reason).
+                    output = schemas.choice(index, text, finish_reason, event.seed if finish_reason else None)
                     pending.append(_sse(schemas.completion(request_id, created, self.model_name, [output], None)))
                 if pending and pacer.ready(not choices.queue.empty(), not choices.unfinished):
                     yield "".join(pending)
@@ -409,14 +491,49 @@ class GPT2Server:
 
 
 def default_max_ongoing_requests(args: schemas.AppArgs) -> int:
-    """Enough that Serve never holds back what the engine could batch, nor the requests we refuse with 429."""
-    return max(32, 2 * (args.max_batch_size + args.limits.max_waiting))
+    """Enough that Serve hands on what the engine could batch, the requests we refuse with 429 ourselves
+    (in JSON, with Retry-After, where Serve's own queue-full 503 is plain text), and clients still
+    sending their bodies (each holds a slot for up to limits.body_timeout_s): an idle request in a
+    replica costs a coroutine, not engine work, which our own admission check bounds."""
+    return max(1024, 2 * (args.max_batch_size + args.limits.max_waiting))
+
+
+def _in_ray_worker() -> bool:
+    """True in a Ray worker: for `serve deploy` / `serve run <config>`, the builder runs as a task on the
+    cluster, with the application's runtime_env and the node's environment, as the replicas will."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+
+
+def _check_api_key_env(args: schemas.AppArgs, options: dict[str, Any]) -> None:
+    """Refuse, before Serve touches a running deployment, an app whose replicas could not read their key.
+
+    A replica refuses to start without it, but by then Serve has already begun replacing the running
+    replicas with ones that never come up. Where this builder runs on the cluster, its environment is
+    the replicas' (the node's plus the application's runtime_env env_vars); elsewhere (`serve run
+    module:app` and Python) it may not be, so an unset key there is only a warning.
+    """
+    if args.api_key_env is None:
+        return
+    actor_env = ((options.get("ray_actor_options") or {}).get("runtime_env") or {}).get("env_vars") or {}
+    if actor_env.get(args.api_key_env) or os.environ.get(args.api_key_env):
+        return
+    message = (
+        f"args.api_key_env is {args.api_key_env!r}, but that environment variable is unset or empty where "
+        "the app is built, so its replicas could not authenticate clients; export it on every node before "
+        "`ray start` (or in the pods' env), or set it in the application's runtime_env: env_vars"
+    )
+    if _in_ray_worker():
+        raise ValueError(message)
+    logger.warning("%s (the replicas refuse to start unless their environment has it)", message)
 
 
 def gpt2_deployment(args: schemas.AppArgs | dict[str, Any], **options: Any) -> Application:
     """The application with Serve deployment options given from Python (what the YAML's `deployments:` sets)."""
     if not isinstance(args, schemas.AppArgs):
         args = schemas.AppArgs.model_validate(args)
+    _check_api_key_env(args, options)
     tokenizer = None if args.tokenizer is None else _local_path(args.tokenizer, "tokenizer")
     # The served name defaults to the model as the user wrote it, not to the resolved path.
     update = {"model": _local_path(args.model, "model"), "tokenizer": tokenizer, "served_model_name": args.model_name}

@@ -60,6 +60,24 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, INVALID_REQUEST, param, code)
 
 
+def request_timeout(message: str) -> APIError:
+    """The 408 for a body that did not arrive in time; the connection closes (its unread rest is garbage)."""
+    return APIError(408, message, INVALID_REQUEST, code="request_timeout", headers={"Connection": "close"})
+
+
+# nginx's code for "client closed request": no client reads it, but the metrics count it apart from errors.
+CLIENT_CLOSED = 499
+
+
+def client_closed(message: str) -> APIError:
+    return APIError(CLIENT_CLOSED, message, INVALID_REQUEST, code="client_closed_request")
+
+
+def unavailable(message: str, retry_after_s: int, code: str | None = None) -> APIError:
+    """A 503 that tells the client when to try again (the engine died, the replica is being replaced)."""
+    return APIError(503, message, SERVER_ERROR, code=code, headers={"Retry-After": str(retry_after_s)})
+
+
 def content_policy_violation(message: str, param: str = "prompt") -> APIError:
     """The 400 for input that moderation blocked, with OpenAI's code for it."""
     return APIError(400, message, INVALID_REQUEST, param, "content_policy_violation")

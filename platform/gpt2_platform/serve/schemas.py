@@ -7,12 +7,14 @@ from a 400 instead of a silently different result.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any, Literal, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from starlette.requests import ClientDisconnect
 
 from gpt2_platform.moderation import ModerationConfig
 from gpt2_platform.serve import errors
@@ -32,12 +34,18 @@ class ServeLimits(BaseModel):
 
     max_body_bytes: int = Field(1_000_000, ge=1)
     """Largest request body accepted (413 above it), checked from Content-Length and while reading."""
+    body_timeout_s: float = Field(10.0, gt=0.0, le=600.0)
+    """Longest wait for a request's whole body once the replica has its headers (408 past it), so a
+    client that declares a body and sends it slowly, or never, holds a replica's request slot only this long."""
     max_prompts: int = Field(32, ge=1)
     """Prompts in one /v1/completions request."""
     max_n: int = Field(8, ge=1)
     """Choices per prompt (`n`)."""
     max_stop: int = Field(4, ge=0)
     """Stop strings in one request (OpenAI allows 4)."""
+    max_stop_chars: int = Field(128, ge=1)
+    """Characters in one stop string: the engine holds back that much streamed text while it may still
+    grow into a stop string, and checks every stop string against it at every token."""
     max_tokens_cap: int = Field(1024, ge=1)
     """Largest `max_tokens` a request may ask for."""
     default_max_tokens: int = Field(16, ge=1)
@@ -100,17 +108,28 @@ class AppArgs(BaseModel):
         return self.served_model_name or self.model
 
 
-class StreamOptions(BaseModel):
+class _RequestBody(BaseModel):
+    """A request body: strict types, no unknown fields, and an explicit null for a field that has a
+    default means that default, as OpenAI's API reads it (`"temperature": null` is temperature 1)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, field in cls.model_fields.items() if not field.is_required()}
+        return {key: value for key, value in data.items() if value is not None or key not in optional}
+
+
+class StreamOptions(_RequestBody):
     include_usage: bool = False
     """Send a last chunk with the usage counts and no choices."""
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(_RequestBody):
     """POST /v1/completions, as OpenAI defines it, plus top_k and ignore_eos."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -173,6 +192,10 @@ class CompletionRequest(BaseModel):
             raise bad_request(f"{len(stops)} stop strings, over this server's limit of {limits.max_stop}", "stop")
         if any(not stop for stop in stops):
             raise bad_request("stop strings must not be empty", "stop")
+        longest = max(map(len, stops), default=0)
+        if longest > limits.max_stop_chars:
+            message = f"a stop string of {longest} characters, over this server's limit of {limits.max_stop_chars}"
+            raise bad_request(message, "stop", "stop_too_long")
         if self.max_tokens is not None and self.max_tokens > limits.max_tokens_cap:
             message = f"max_tokens is {self.max_tokens}, over this server's limit of {limits.max_tokens_cap}"
             raise bad_request(message, "max_tokens")
@@ -189,10 +212,8 @@ class CompletionRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(_RequestBody):
     """POST /generate: the seed project's simple endpoint, kept for its clients."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str
     max_length: int = Field(50, ge=1)
@@ -205,8 +226,10 @@ def _refuse_json_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(request: Request, schema: type[Schema], max_body_bytes: int) -> Schema:
-    """The body, parsed and validated: 413 over `max_body_bytes` (declared or read), 400 for anything malformed."""
+async def read_json(request: Request, schema: type[Schema], limits: ServeLimits) -> Schema:
+    """The body, parsed and validated: 413 over `limits.max_body_bytes` (declared or read), 408 when it
+    has not all arrived within `limits.body_timeout_s`, 499 when the client hung up, 400 for anything malformed."""
+    max_body_bytes = limits.max_body_bytes
     too_large = APIError(413, f"request body is over the limit of {max_body_bytes} bytes", code="request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and not declared.isdigit():
@@ -214,10 +237,22 @@ async def read_json(request: Request, schema: type[Schema], max_body_bytes: int)
     if declared is not None and int(declared) > max_body_bytes:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_body_bytes:
-            raise too_large
+    try:
+        # One deadline for the whole body, not per chunk: a client sending a byte every few seconds
+        # would otherwise hold its request slot for as long as it likes.
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_body_bytes:
+                    raise too_large
+    except TimeoutError:
+        received = f"{len(body)} of {declared} bytes" if declared is not None else f"{len(body)} bytes"
+        raise errors.request_timeout(
+            f"the request body did not arrive within {limits.body_timeout_s:g} s ({received} received); "
+            "send the whole body at once"
+        ) from None
+    except ClientDisconnect:
+        raise errors.client_closed("the client closed the connection before its request body arrived") from None
     try:
         data = json.loads(body, parse_constant=_refuse_json_constant)
     except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -236,8 +271,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def choice(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def choice(index: int, text: str, finish_reason: str | None, seed: int | None = None) -> dict[str, Any]:
+    """One choice; `seed` (an extension of OpenAI's shape) is the sampling seed it ran with, so an
+    unseeded request can be reproduced by sending it back."""
+    body: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if seed is not None:
+        body["seed"] = seed
+    return body
 
 
 def completion(
@@ -256,9 +296,19 @@ def completion(
     return body
 
 
+def model_card(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    """One model as OpenAI's /v1/models lists it, plus its context length."""
+    return {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "gpt2-platform",
+        "max_model_len": max_model_len,
+    }
+
+
 def model_list(model: str, created: int, max_model_len: int) -> dict[str, Any]:
-    card = {"id": model, "object": "model", "created": created, "owned_by": "gpt2-platform"}
-    return {"object": "list", "data": [{**card, "max_model_len": max_model_len}]}
+    return {"object": "list", "data": [model_card(model, created, max_model_len)]}
 
 
 def now_s() -> int:
