@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,27 @@ def run_dir_of(config: Config) -> Path:
         storage = Path.home() / "gpt2-platform" / storage
         logger.warning("run.storage_path is relative inside a submitted job; using %s", storage)
     return storage.resolve() / config.run.name
+
+
+class StorageError(ValueError):
+    """run.storage_path cannot hold the run; the message names the directory and why."""
+
+
+def check_writable(run_dir: Path, storage_path: str) -> None:
+    """Fail before any Ray work if the run directory cannot be created and written (checked by doing it,
+    in the deepest directory that exists, because permission bits do not tell for root or a read-only mount)."""
+    fix = "choose a directory you can write, e.g. --set run.storage_path=~/gpt2-runs"
+    try:
+        existing = run_dir
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise StorageError(f"run.storage_path={storage_path} cannot be created: {existing} is a file; {fix}")
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
+    except OSError as error:
+        raise StorageError(
+            f"run.storage_path={storage_path} is not writable: {error.strerror} in {existing}; {fix}"
+        ) from error
 
 
 def _in_submitted_job() -> bool:
@@ -92,9 +114,10 @@ def validation_tokens(datasets: Datasets, num_rows: int) -> np.ndarray | None:
 def fit(config: Config) -> TrainResult:
     """Train as configured (resuming the run of the same name), export and return where things are."""
     validate(config)
+    run_dir = run_dir_of(config)
+    check_writable(run_dir, config.run.storage_path)
     init_ray()
     exporter.start_if_wanted(config.run.gpu_monitor)
-    run_dir = run_dir_of(config)
     tc, scaling = config.train, config.scaling
     datasets = build_datasets(
         config.data, model_config(config.model).vocab_size, tc.micro_batch_size * scaling.num_workers
@@ -124,8 +147,11 @@ def fit(config: Config) -> TrainResult:
         ),
         datasets={"train": datasets.train},
     )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump(config))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump(config))
+    except OSError as error:  # the check above passed, but the storage changed (or filled up) since
+        raise StorageError(f"cannot write the run directory {run_dir}: {error.strerror}") from error
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training finished without a checkpoint in {run_dir}; see the worker logs above")
