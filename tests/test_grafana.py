@@ -34,3 +34,32 @@ def test_every_panel_query_names_an_exported_metric(ray_cluster):
     assert used <= known, f"queries for metrics nobody exports: {sorted(used - known)}"
     # Every family has a panel: GPUs, training and serving.
     assert {n.split("_")[2] for n in used} == {"gpu", "train", "serve"}
+
+
+def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
+    return [(p.get("title", ""), t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_multi_valued_variables_are_matched_as_regexes_in_every_panel():
+    """Grafana expands a variable with several values (or All) to `a|b` or `.*`: an exact `=` match of that
+    finds no series, so the panel stays empty unless exactly one value is chosen."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    multi_valued = {
+        v["name"]
+        for v in dashboard["templating"]["list"]
+        if v["type"] == "query" and (v.get("multi") or v.get("includeAll"))
+    }
+    assert multi_valued >= {"node", "run"}
+    matcher = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
+    checked = 0
+    for title, query in panel_queries(dashboard):
+        for label, operator, value in matcher.findall(query):
+            for name in multi_valued & set(re.findall(r"\$\{?(\w+)", value)):
+                assert operator in ("=~", "!~"), f'panel {title!r}: {label}{operator}"{value}" needs =~ for ${name}'
+                checked += 1
+        # The GPU panels follow the node selection, the training panels the run selection.
+        if "ray_gpt2_gpu_" in query:
+            assert 'node=~"$node"' in query, f"panel {title!r} ignores the node variable: {query}"
+        if "ray_gpt2_train_" in query:
+            assert 'run=~"$run"' in query, f"panel {title!r} ignores the run variable: {query}"
+    assert checked >= 14, checked
