@@ -158,6 +158,12 @@ def test_parquet_without_the_text_column_exits_2(ray_cluster, capsys, storage: P
     )
 
 
+@pytest.mark.slow
+def test_more_workers_than_the_cluster_holds_exits_2(ray_cluster, capsys, storage: Path, corpus: Path) -> None:
+    code = run_cli(storage, f"data.paths=[{corpus}]", "scaling.num_workers=8")
+    assert_user_error(code, capsys, storage, "scaling.num_workers=8 workers", "room for 4 worker(s)")
+
+
 # ---- the happy path -----------------------------------------------------------------------------------
 
 

@@ -173,10 +173,18 @@ class ScalingConfig:
     """CPUs reserved for each worker."""
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     """Extra custom resources per worker, e.g. {accelerator_type:H200: 0.01}."""
+    resource_timeout_s: float = 600.0
+    """How long to wait for room for the workers (held by other work, or nodes an autoscaler adds); a fixed
+    cluster too small for them is refused at once."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ConfigError(f"scaling.num_workers must be >= 1, got {self.num_workers}")
+        if not (math.isfinite(self.resource_timeout_s) and self.resource_timeout_s >= 0):
+            raise ConfigError(f"scaling.resource_timeout_s must be >= 0, got {self.resource_timeout_s}")
+        for name, amount in self.resources_per_worker.items():
+            if not (math.isfinite(amount) and amount >= 0):
+                raise ConfigError(f"scaling.resources_per_worker.{name} must be >= 0, got {amount}")
         if not (math.isfinite(self.cpus_per_worker) and self.cpus_per_worker > 0):
             raise ConfigError(f"scaling.cpus_per_worker must be > 0, got {self.cpus_per_worker}")
 

@@ -21,6 +21,7 @@ from gpt2_platform.runtime import init_ray
 from gpt2_platform.tokenizer import load_tokenizer
 from gpt2_platform.train.data import TOKENS_COLUMN, Datasets, build_datasets, files_by_format
 from gpt2_platform.train.loop import HISTORY, train_loop_per_worker
+from gpt2_platform.train.resources import cluster_room
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,12 @@ def fit(config: Config) -> TrainResult:
     run_dir = run_dir_of(config)
     check_writable(run_dir, config.run.storage_path)
     init_ray()
+    with cluster_room(config.scaling):
+        return _train_and_export(config, run_dir)
+
+
+def _train_and_export(config: Config, run_dir: Path) -> TrainResult:
+    """Build the data, run the TorchTrainer, export the final model."""
     exporter.start_if_wanted(config.run.gpu_monitor)
     tc, scaling = config.train, config.scaling
     datasets = build_datasets(

@@ -1,0 +1,162 @@
+"""Does the cluster have room for the training workers? Asked before the TorchTrainer starts.
+
+Ray Train waits for its workers' placement group and, on a cluster that can never hold them, retries
+every minute with a traceback until it is killed. Here a run that cannot fit is refused with one line;
+one that could fit once other work frees resources, or once an autoscaler adds nodes, waits for at most
+`scaling.resource_timeout_s` and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import ray
+
+from gpt2_platform.config import ScalingConfig
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 2.0
+
+
+class ClusterResourcesError(ValueError):
+    """The cluster cannot hold the configured workers; the message says what is missing and what to change."""
+
+
+def worker_bundle(scaling: ScalingConfig) -> dict[str, float]:
+    """What one worker reserves, as Ray Train's ScalingConfig computes it (use_gpu adds one GPU unless
+    resources_per_worker names GPU itself). The Train controller itself asks for no CPU."""
+    bundle = {"CPU": scaling.cpus_per_worker}
+    if scaling.use_gpu:
+        bundle["GPU"] = 1.0
+    bundle.update(scaling.resources_per_worker)
+    return {name: amount for name, amount in bundle.items() if amount > 0}
+
+
+def workers_that_fit(bundle: dict[str, float], nodes: list[dict[str, float]]) -> int:
+    """How many workers the nodes hold: each worker must fit on one node."""
+    return sum(
+        min(math.floor(node.get(name, 0.0) / amount + 1e-9) for name, amount in bundle.items()) for node in nodes
+    )
+
+
+def _node_resources() -> list[dict[str, float]]:
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+
+
+def _autoscaler_max_resources() -> dict[str, float] | None:
+    """The largest the cluster may grow to, per resource, if an autoscaler publishes its config; None for
+    a fixed cluster. No public API says whether a cluster autoscales; Ray Train asks this same private call."""
+    try:
+        from ray._private.state import state
+
+        return state.get_max_resources_from_cluster_config()
+    except Exception:  # an internal API: if it moves, treat the cluster as fixed
+        logger.debug("could not read the autoscaler's cluster config", exc_info=True)
+        return None
+
+
+def _describe(bundle: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in bundle.items()) + "}"
+
+
+def _totals(nodes: list[dict[str, float]], names: list[str]) -> str:
+    return ", ".join(f"{sum(node.get(name, 0.0) for node in nodes):g} {name}" for name in names)
+
+
+def _never_fits(scaling: ScalingConfig, bundle: dict[str, float], nodes: list[dict[str, float]]) -> str:
+    """Why the workers cannot fit these nodes, naming the setting to change."""
+    for name in bundle:
+        if not any(node.get(name, 0.0) >= bundle[name] for node in nodes):
+            if name == "GPU" and scaling.use_gpu and not any(node.get("GPU") for node in nodes):
+                return (
+                    "scaling.use_gpu=true but no node of the cluster has a GPU; set scaling.use_gpu=false "
+                    "(CPU workers with gloo) or run on a cluster with GPUs"
+                )
+            field = "scaling.cpus_per_worker" if name == "CPU" else "scaling.resources_per_worker"
+            largest = max((node.get(name, 0.0) for node in nodes), default=0.0)
+            if not largest:
+                return (
+                    f"{field} asks for {name!r}, a resource no node of the cluster has; "
+                    f"remove it or start the nodes with it (ray start --resources)"
+                )
+            return (
+                f"a training worker needs {_describe(bundle)} but no node of the cluster has {bundle[name]:g} {name} "
+                f"(the largest has {largest:g}); lower {field} or add a node that has it"
+            )
+    fit = workers_that_fit(bundle, nodes)
+    return (
+        f"scaling.num_workers={scaling.num_workers} workers of {_describe(bundle)} do not fit the cluster: "
+        f"its {len(nodes)} node(s) have {_totals(nodes, list(bundle))}, room for {fit} worker(s); "
+        f"lower scaling.num_workers or the resources per worker, or add nodes"
+    )
+
+
+def _wait_until_free(scaling: ScalingConfig, bundle: dict[str, float], why: str) -> None:
+    """Poll until the workers fit the cluster's free resources, or refuse after the timeout."""
+    timeout_s = scaling.resource_timeout_s
+    logger.warning(
+        "%s; waiting up to %g s (scaling.resource_timeout_s) for room for %d worker(s) of %s",
+        why,
+        timeout_s,
+        scaling.num_workers,
+        _describe(bundle),
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # Free resources summed over nodes: close enough to decide whether to wait (each node's share is
+        # what the placement group needs, and Ray Train waits for that itself).
+        free = ray.available_resources()
+        if workers_that_fit(bundle, [free]) >= scaling.num_workers:
+            logger.info("the cluster has room for the training workers now")
+            return
+        if time.monotonic() >= deadline:
+            nodes = _node_resources()
+            raise ClusterResourcesError(
+                f"after waiting {timeout_s:g} s the cluster still has no room for scaling.num_workers="
+                f"{scaling.num_workers} workers of {_describe(bundle)}: free {_totals([free], list(bundle))} of "
+                f"{_totals(nodes, list(bundle))}; stop what holds them (a Serve app, another job), lower "
+                f"scaling.num_workers, or raise scaling.resource_timeout_s"
+            )
+        time.sleep(POLL_INTERVAL_S)
+
+
+@contextmanager
+def cluster_room(scaling: ScalingConfig) -> Iterator[None]:
+    """Return (enter) once the cluster has room for the workers; refuse at once if it never can.
+
+    With an autoscaler, the workers' resources are requested from it while inside, so that it adds
+    nodes for them before the trainer asks; the request is withdrawn on leaving.
+    """
+    bundle = worker_bundle(scaling)
+    nodes = _node_resources()
+    if workers_that_fit(bundle, nodes) >= scaling.num_workers:
+        free = ray.available_resources()
+        if workers_that_fit(bundle, [free]) < scaling.num_workers:
+            why = f"other work holds part of the cluster (free now: {_totals([free], list(bundle))} of {_totals(nodes, list(bundle))})"
+            _wait_until_free(scaling, bundle, why)
+        yield
+        return
+    most = _autoscaler_max_resources()
+    if not most:
+        raise ClusterResourcesError(_never_fits(scaling, bundle, nodes))
+    # An autoscaler's limits are totals per resource, as Ray Train checks them.
+    short = [name for name, amount in bundle.items() if amount * scaling.num_workers > most.get(name, 0.0)]
+    if short:
+        raise ClusterResourcesError(
+            f"scaling.num_workers={scaling.num_workers} workers of {_describe(bundle)} need more than the "
+            f"autoscaler may add: at most {', '.join(f'{most.get(n, 0):g} {n}' for n in short)}; "
+            f"lower scaling.num_workers or the resources per worker, or raise the cluster's max_workers"
+        )
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=[bundle] * scaling.num_workers)
+    try:
+        _wait_until_free(scaling, bundle, "the cluster is too small for the training workers now")
+        yield
+    finally:
+        request_resources(bundles=[])
