@@ -281,7 +281,10 @@ class GPT2Server:
     async def _engine_stats(self, request: Request) -> Response:
         context = serve.get_replica_context()
         replica = context.replica_id.unique_id if context is not None else None
-        return JSONResponse({**self.engine.stats(), "max_batch_size": self.args.max_batch_size, "replica": replica})
+        # engine_pid: the engine's child process with engine_process, else null (it runs in the replica).
+        engine_pid = self.engine.pid if isinstance(self.engine, EngineProcess) else None
+        stats = {**self.engine.stats(), "max_batch_size": self.args.max_batch_size, "replica": replica}
+        return JSONResponse({**stats, "engine_pid": engine_pid})
 
     # ---- turning a request into engine work ----------------------------------------------------
     async def _encode(self, text: str, param: str, reserve: int, length_param: str = "max_tokens") -> list[int]:

@@ -82,7 +82,9 @@ class ServeMetrics:
 
     def record_sequence(self, prompt_tokens: int, completion_tokens: int, decode_s: float) -> None:
         """One finished sequence: its token counts and the time from its first token to its last."""
-        self.prompt_tokens.inc(prompt_tokens)
+        # Ray's counters refuse 0, and a sequence the engine failed before it ran reports no tokens.
+        if prompt_tokens > 0:
+            self.prompt_tokens.inc(prompt_tokens)
         if completion_tokens > 0:
             self.generated_tokens.inc(completion_tokens)
         if completion_tokens > 1:

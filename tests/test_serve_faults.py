@@ -1,0 +1,172 @@
+"""Serving faults over real Serve and HTTP: the engine's process dies under load, a burst past every
+limit, and a `serve deploy` of a config that cannot start over an app that is running.
+
+What a client gets in each: JSON in OpenAI's error shape (never Serve's plain text), a Retry-After
+where trying again helps, and a stream cut by the fault that ends with an SSE error event and [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import test_serve
+from test_serve import _free_port, wait_until
+
+model_dir = test_serve.model_dir  # the fixture: a tiny model trained to write ASCII, with the byte tokenizer
+
+
+@pytest.fixture(scope="module")
+def serve_port(ray_cluster) -> Iterator[int]:
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield port
+    finally:
+        serve.shutdown()
+
+
+def _app_status(name: str):
+    from ray import serve
+
+    return serve.status().applications.get(name)
+
+
+# ---- a bad deploy over a running app (first: it deploys by config, which owns every app) ---------------
+def _config(port: int, model_dir: Path, api_key_env: str, env_vars: dict[str, str]):
+    from ray.serve.schema import ServeDeploySchema
+
+    application = {
+        "name": "upgrade",
+        "route_prefix": "/",
+        "import_path": "gpt2_platform.serve.app:build_app",
+        "args": {"model": str(model_dir), "dtype": "fp32", "max_batch_size": 2, "api_key_env": api_key_env},
+        # Where a cluster's replicas (and the app builder, which runs as a task beside them) find the key.
+        "runtime_env": {"env_vars": env_vars},
+        "deployments": [{"name": "GPT2Server", "ray_actor_options": {"num_cpus": 1}}],
+    }
+    return ServeDeploySchema.model_validate(
+        {"http_options": {"host": "127.0.0.1", "port": port}, "applications": [application]}
+    )
+
+
+def test_a_deploy_whose_api_key_is_unset_fails_in_the_builder_and_the_running_app_keeps_serving(serve_port, model_dir):
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ApplicationStatus
+
+    client = _get_global_client()  # what `serve deploy` reaches through the dashboard
+    client.deploy_apps(_config(serve_port, model_dir, "GPT2_FAULTS_KEY", {"GPT2_FAULTS_KEY": "key-1"}))
+    assert wait_until(lambda: (s := _app_status("upgrade")) and s.status == ApplicationStatus.RUNNING, 120)
+    url, headers = f"http://127.0.0.1:{serve_port}", {"Authorization": "Bearer key-1"}
+    request = {"prompt": "alice has", "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/completions", json=request, headers=headers, timeout=30).status_code == 200
+
+    # The new config names a variable that nothing sets.
+    client.deploy_apps(_config(serve_port, model_dir, "GPT2_FAULTS_UNSET_KEY", {}))
+    status = wait_until(lambda: (s := _app_status("upgrade")) and s.status == ApplicationStatus.DEPLOY_FAILED and s, 60)
+    assert status, _app_status("upgrade")
+    assert "GPT2_FAULTS_UNSET_KEY" in status.message and "runtime_env" in status.message
+    # Still served, by the replica that was running, for longer than Serve takes to act on a config.
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        response = httpx.post(f"{url}/v1/completions", json=request, headers=headers, timeout=30)
+        assert response.status_code == 200, response.text
+        time.sleep(0.5)
+    client.delete_apps(["upgrade"])
+    assert wait_until(lambda: _app_status("upgrade") is None, 60)
+
+
+# ---- the engine's process dies under load -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_process_url(serve_port, model_dir) -> Iterator[str]:
+    from ray import serve
+
+    from gpt2_platform.serve.app import gpt2_deployment
+
+    args = {"model": str(model_dir), "dtype": "fp32", "max_batch_size": 4, "engine_process": True}
+    # A fast health check, so Serve replaces the replica whose engine died within seconds.
+    app = gpt2_deployment(args, ray_actor_options={"num_cpus": 1}, health_check_period_s=1)
+    serve.run(app, name="faults", route_prefix="/")
+    yield f"http://127.0.0.1:{serve_port}"
+    serve.delete("faults")
+
+
+def assert_unavailable(response: httpx.Response) -> None:
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["type"] == "server_error" and int(response.headers["Retry-After"]) >= 1
+
+
+def test_a_dead_engine_ends_streams_with_an_error_event_and_requests_get_503_until_replaced(engine_process_url):
+    long = {"prompt": "a long story", "max_tokens": 200, "ignore_eos": True}
+
+    async def load() -> tuple[list[list], httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=engine_process_url, timeout=60) as session:
+            engine_pid = (await session.get("/v1/engine/stats")).json()["engine_pid"]
+            started = asyncio.Event()
+
+            async def stream() -> list:
+                events = []
+                async with session.stream("POST", "/v1/completions", json={**long, "stream": True}) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            payload = line[len("data: ") :]
+                            events.append(payload if payload == "[DONE]" else json.loads(payload))
+                            started.set()
+                return events
+
+            streams = [asyncio.create_task(stream()) for _ in range(2)]
+            collected = asyncio.create_task(session.post("/v1/completions", json=long))
+            await asyncio.wait_for(started.wait(), 30)
+            os.kill(engine_pid, signal.SIGKILL)
+            cut = await asyncio.gather(*streams)
+            in_flight = await collected
+            after = await session.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            return cut, in_flight, after
+
+    cut, in_flight, after = asyncio.run(load())
+    for events in cut:
+        assert events[-1] == "[DONE]", events[-3:]
+        error = events[-2]["error"]
+        assert error["type"] == "server_error" and "engine" in error["message"], error
+    assert_unavailable(in_flight)
+    assert_unavailable(after)
+
+    def served_again() -> bool:
+        try:
+            response = httpx.post(
+                f"{engine_process_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10
+            )
+        except httpx.HTTPError:
+            return False
+        if response.status_code != 200:
+            assert_unavailable(response)  # JSON while it is replaced, never plain text
+        return response.status_code == 200
+
+    assert wait_until(served_again, timeout_s=120, interval_s=1)
+
+
+def test_a_burst_past_every_limit_gets_json_429s_with_retry_after_never_plain_text(engine_process_url):
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=400)
+        async with httpx.AsyncClient(base_url=engine_process_url, timeout=120, limits=limits) as session:
+            body = {"prompt": "burst", "max_tokens": 30, "ignore_eos": True}
+            return await asyncio.gather(*(session.post("/v1/completions", json=body) for _ in range(300)))
+
+    responses = asyncio.run(burst())
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses, sorted(set(statuses))
+    for response in responses:
+        assert response.headers["content-type"] == "application/json", response.text
+        if response.status_code == 429:
+            assert response.json()["error"]["code"] == "overloaded" and response.headers["Retry-After"] == "1"
