@@ -6,7 +6,8 @@
 
 Runs on a running cluster when RAY_ADDRESS is set (as under `ray job submit`), else on an embedded local
 Ray. Running it again with the same --output finishes what an interrupted run left and changes nothing
-else. Output: Parquet files and summary.json in the output directory.
+else. Output: Parquet files and _summary.json in the output directory; a relative --output inside a
+submitted job goes under ~/gpt2-platform/ (the job's working directory is a temporary copy).
 """
 
 from __future__ import annotations

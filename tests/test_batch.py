@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -251,6 +253,54 @@ def test_killed_run_resumes_with_exactly_one_row_per_id(reference, prompts: Path
     assert again["rows_this_run"] == 0 and again["rows"] == len(expected)
 
 
+def test_a_submitted_job_waits_for_cpus_being_freed_and_puts_a_relative_output_under_home(
+    ray_cluster, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    """As a resumed job meets the actors of the one it replaces, still holding the cluster's CPUs: it waits for
+    them (or stops, saying what is missing) instead of Ray Data's "the Dataset job will hang" warning."""
+    import threading
+
+    import ray
+    from ray.util.debug import reset_log_once
+
+    prompts = tmp_path / "few.parquet"
+    pq.write_table(pa.table({"prompt": ["alice has 1", "bob has 2", "carol has 3"]}), prompts)
+    relative = Path("submitted-out") / tmp_path.name
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")  # what the job supervisor gives a submitted driver
+    ray_warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: ray_warnings.append(record.getMessage())
+    logging.getLogger("ray.data").addHandler(handler)
+    reset_log_once("cpu_warning")  # Ray Data says it once per process
+
+    @ray.remote(num_cpus=ray.cluster_resources()["CPU"])
+    class Holder:
+        def ready(self) -> bool:
+            return True
+
+    holder = Holder.remote()
+    ray.get(holder.ready.remote())
+    caplog.set_level(logging.INFO, logger="gpt2_platform.batch")
+    try:
+        config = [f"input.paths=[{prompts}]", f"output.path={relative}", f"model.path={model_dir}"]
+        config += ["output.progress_bars=false", "generation.max_tokens=2", "scaling.num_actors=1"]
+        with pytest.raises(ValueError, match=r"does not have the resources this job needs free: 2 CPU \(free: 0\)"):
+            run_generation(load(None, [*config, "scaling.wait_for_resources_s=1"]))
+        threading.Timer(3.0, ray.kill, args=(holder,)).start()
+        summary = run_generation(load(None, config))
+    finally:
+        logging.getLogger("ray.data").removeHandler(handler)
+        ray.kill(holder)
+    expected = Path.home() / "gpt2-platform" / relative
+    assert summary["output"] == str(expected) and summary["rows"] == 3 and summary["errors"] == 0
+    assert not (tmp_path / relative).exists()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("waiting up to 60 s for 2 CPU (free: 0)") for m in messages), messages
+    assert any(f"relative inside a submitted job; writing to {expected}" in m for m in messages), messages
+    assert not [w for w in ray_warnings if "will hang" in w], ray_warnings
+
+
 # ---- user errors: caught before Ray starts -------------------------------------------------------------
 
 
@@ -295,6 +345,41 @@ def test_resuming_into_the_output_of_another_input_or_seed_is_refused(
         run_generation(load(None, overrides(other, output, model_dir)))
     with pytest.raises(ValueError, match="different job.*generation"):
         run_generation(load(None, [*overrides(prompts, output, model_dir), "generation.seed=8"]))
+
+
+def test_resuming_with_other_weights_or_tokenizer_at_the_same_path_is_refused_and_says_which_file(
+    reference, prompts: Path, model_dir: Path, tmp_path: Path
+):
+    output = tmp_path / "out"
+    shutil.copytree(reference[0]["output"], output)
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    # The same files at another path are the same model: the copied output resumes, with nothing left to do.
+    again = run_generation(load(None, overrides(prompts, output, model)))
+    assert again["rows_this_run"] == 0 and again["model_sha256"] == reference[0]["model_sha256"]
+    recorded = json.loads((output / MANIFEST_NAME).read_text())["identity"]["model_files"]
+    assert sorted(recorded) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+    # Retrained weights of the same shape at the same path: same size, and the old mtime put back.
+    weights = model / checkpoint.WEIGHTS_NAME
+    before = weights.stat()
+    with open(weights, "r+b") as handle:
+        handle.seek(before.st_size - 100)  # inside the last tensor, past the safetensors header
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(
+        ValueError, match=r"different job \(model_files\.model\.safetensors changed: was '[0-9a-f]{64}'"
+    ):
+        run_generation(load(None, overrides(prompts, output, model)))
+    shutil.copy2(model_dir / checkpoint.WEIGHTS_NAME, weights)  # the original weights again: resumes
+    assert run_generation(load(None, overrides(prompts, output, model)))["rows_this_run"] == 0
+
+    tokenizer_config = model / "tokenizer_config.json"
+    tokenizer_config.write_text(tokenizer_config.read_text().replace("<|endoftext|>", "<|end|>"))
+    with pytest.raises(ValueError, match=r"model_files\.tokenizer_config\.json changed"):
+        run_generation(load(None, overrides(prompts, output, model)))
 
 
 def test_cli_exits_2_with_one_error_line(capsys: pytest.CaptureFixture[str], model_dir: Path, tmp_path: Path):

@@ -143,6 +143,9 @@ class ScalingConfig:
     concurrent_batches_per_actor: int = 2
     """Batches each actor works on at once, all fed to its one engine: the next batch's rows fill the slots
     that the current batch's finished rows free, instead of the engine draining at the end of each batch."""
+    wait_for_resources_s: float = 60.0
+    """How long to wait at the start for the actors' CPUs and GPUs to be free (e.g. held by a job that is
+    ending); then the job stops with an error saying what was missing. 0: do not wait."""
 
     def __post_init__(self) -> None:
         if self.num_actors is not None and self.num_actors < 1:
@@ -155,6 +158,8 @@ class ScalingConfig:
             raise ConfigError(f"scaling.num_cpus_per_actor must be > 0, got {self.num_cpus_per_actor}")
         if self.batch_size < 1:
             raise ConfigError(f"scaling.batch_size must be >= 1, got {self.batch_size}")
+        if not (math.isfinite(self.wait_for_resources_s) and self.wait_for_resources_s >= 0):
+            raise ConfigError(f"scaling.wait_for_resources_s must be >= 0, got {self.wait_for_resources_s}")
         if self.concurrent_batches_per_actor < 1:
             raise ConfigError(
                 f"scaling.concurrent_batches_per_actor must be >= 1, got {self.concurrent_batches_per_actor}"

@@ -1,4 +1,4 @@
-"""Batch generation over Parquet with Ray Data: read_parquet -> map_batches(engine actors) -> write_parquet.
+"""Batch generation over Parquet with Ray Data: read_parquet -> map_batches(engine actors, which write the rows).
 
 `run_generation(config)` checks the input and the output directory on the driver (seconds, before any Ray
 work), commits what an interrupted earlier run left, then generates only the ids not yet in the output and
@@ -9,23 +9,22 @@ and `rows.py` for ids, seeds and error rows.
 from __future__ import annotations
 
 import fcntl
-import glob
 import logging
 import os
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
+from gpt2_platform.batch import fingerprint
 from gpt2_platform.batch import output as output_lib
-from gpt2_platform.batch.config import GenerateConfig
+from gpt2_platform.batch.config import GenerateConfig, ScalingConfig
+from gpt2_platform.batch.inputs import InputError, InputFile, check_input, find_input_files
 from gpt2_platform.batch.rows import MODERATION_KINDS
 from gpt2_platform.batch.worker import PATH_COLUMN, ROW_HASH_COLUMN, GenerateBatch, WorkerSpec
 from gpt2_platform.moderation import Moderator, build_moderator
@@ -33,114 +32,59 @@ from gpt2_platform.moderation import Moderator, build_moderator
 logger = logging.getLogger(__name__)
 
 
-class InputError(ValueError):
-    """The input cannot be used as configured; the message says why and what to do."""
+def model_identity(model_dir: Path, tokenizer: str | None) -> dict[str, Any]:
+    """The model by content, not by path: hashes of its config, weights and tokenizer files (fingerprint.py).
 
-
-@dataclass(frozen=True)
-class InputFile:
-    path: str
-    num_rows: int
-    size_bytes: int
-
-
-def find_input_files(paths: list[str]) -> list[InputFile]:
-    """Expand files, directories (their *.parquet) and globs into a sorted list, with row counts from footers."""
-    if not paths:
-        raise InputError("input.paths is empty; set it to Parquet files, directories or globs (--input ...)")
-    found: set[Path] = set()
-    for spec in paths:
-        expanded = os.path.expanduser(spec)
-        if glob.has_magic(expanded):
-            matches = [Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).is_file()]
-        elif Path(expanded).is_dir():
-            matches = [
-                p for p in Path(expanded).rglob("*.parquet") if p.is_file() and not p.name.startswith((".", "_"))
-            ]
-        elif Path(expanded).is_file():
-            matches = [Path(expanded)]
+    A tokenizer given by name ('byte', a hub name) is recorded by that name; one in a directory by its files.
+    """
+    files = fingerprint.model_files(model_dir, with_tokenizer=tokenizer is None)
+    identity: dict[str, Any] = {"model_files": fingerprint.file_hashes(files, model_dir)}
+    if tokenizer is not None:
+        tokenizer_dir = Path(tokenizer).expanduser()
+        if tokenizer_dir.is_dir():
+            hashes = fingerprint.file_hashes(fingerprint.tokenizer_files(tokenizer_dir), tokenizer_dir)
+            identity["tokenizer_files"] = hashes
         else:
-            raise InputError(f"input path {spec!r} does not exist; fix input.paths (--input)")
-        if not matches:
-            raise InputError(f"input path {spec!r} holds no Parquet files; fix input.paths (--input)")
-        found.update(p.resolve() for p in matches)
-    files = []
-    for path in sorted(found):
-        try:
-            num_rows = pq.read_metadata(path).num_rows
-        except (pa.ArrowException, OSError) as error:
-            raise InputError(f"input file {path} is not a readable Parquet file ({error})") from error
-        files.append(InputFile(str(path), num_rows, path.stat().st_size))
-    return files
-
-
-def _numeric(field_type: pa.DataType) -> bool:
-    return pa.types.is_integer(field_type) or pa.types.is_floating(field_type) or pa.types.is_null(field_type)
-
-
-def check_input(files: list[InputFile], config: GenerateConfig) -> None:
-    """Every file has the configured columns with usable types, and the row ids are unique."""
-    columns = config.input
-    roles = {
-        columns.prompt_column: "input.prompt_column",
-        **{getattr(columns, n): f"input.{n}" for n in ("id_column", "max_tokens_column", "temperature_column")},
-        columns.seed_column: "input.seed_column",
-    }
-    for file in files:
-        schema = pq.read_schema(file.path)
-        for name in columns.columns():
-            if name not in schema.names:
-                raise InputError(
-                    f"{file.path} has no column {name!r} (columns: {', '.join(schema.names)}); set {roles[name]}"
-                )
-        prompt_type = schema.field(columns.prompt_column).type
-        if not (
-            pa.types.is_string(prompt_type) or pa.types.is_large_string(prompt_type) or pa.types.is_null(prompt_type)
-        ):
-            raise InputError(f"{file.path}: prompt column {columns.prompt_column!r} is {prompt_type}, not text")
-        for name in (columns.max_tokens_column, columns.temperature_column, columns.seed_column):
-            if name and not _numeric(schema.field(name).type):
-                raise InputError(f"{file.path}: column {name!r} is {schema.field(name).type}, not a number")
-        if not columns.id_column and {PATH_COLUMN, ROW_HASH_COLUMN} & set(schema.names):
-            raise InputError(
-                f"{file.path} has a column named {PATH_COLUMN!r} or {ROW_HASH_COLUMN!r}; set input.id_column"
-            )
-    if columns.id_column:
-        ids = pa.chunked_array(
-            [pq.read_table(f.path, columns=[columns.id_column]).column(0).cast(pa.string()) for f in files]
-        )
-        if ids.null_count:
-            raise InputError(f"input column {columns.id_column!r} holds {ids.null_count} null ids; every row needs one")
-        unique = pc.unique(ids)
-        if len(unique) != len(ids):
-            raise InputError(
-                f"input column {columns.id_column!r} holds {len(ids) - len(unique)} duplicate ids; ids must be unique"
-            )
-    else:
-        names = [os.path.basename(f.path) for f in files]
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:
-            raise InputError(
-                f"input files share the name {repeated[0]!r}, so the derived ids '<file name>:<row>' would collide; "
-                "set input.id_column or rename the files"
-            )
+            identity["tokenizer"] = tokenizer
+    return identity
 
 
 def job_identity(
-    files: list[InputFile], config: GenerateConfig, model: str, moderator: Moderator | None = None
+    files: list[InputFile], config: GenerateConfig, model: dict[str, Any], moderator: Moderator | None = None
 ) -> dict[str, Any]:
-    """What the output's rows depend on; resuming into an output made under another identity is refused."""
+    """What the output's rows depend on; resuming into an output made under another identity is refused.
+
+    `model` is `model_identity(...)`: the weights themselves, so new weights at the same path are refused
+    and the same weights moved to another path still resume.
+    """
     generation = asdict(config.generation)
     identity = {
         "input_files": [[os.path.basename(f.path), f.num_rows, f.size_bytes] for f in files],
         "input_columns": asdict(config.input) | {"paths": None},
-        "model": model,
+        **model,
         "generation": generation,
         "max_seq_len": config.engine.max_seq_len,
     }
     if moderator is not None:  # only when on, so outputs written before moderation existed still resume
         identity["moderation"] = moderator.identity()
     return identity
+
+
+def output_directory(path: str) -> Path:
+    """Where the output goes. A relative path is taken from the current directory, except under `ray job
+    submit`, whose working directory is a temporary copy deleted with the job: there it goes under
+    ~/gpt2-platform/, as training's run.storage_path does (use an absolute path on shared storage for a
+    multi-node cluster: the actors write where the driver points them)."""
+    directory = Path(path).expanduser()
+    if not directory.is_absolute() and _in_submitted_job():
+        directory = Path.home() / "gpt2-platform" / directory
+        logger.warning("output.path %s is relative inside a submitted job; writing to %s", path, directory)
+    return directory.resolve()
+
+
+def _in_submitted_job() -> bool:
+    # The job supervisor hands the job's runtime env to its driver in this variable (train/trainer.py reads it too).
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
 
 
 def plan_actors(config: GenerateConfig) -> tuple[int, float]:
@@ -157,13 +101,44 @@ def plan_actors(config: GenerateConfig) -> tuple[int, float]:
     if num_actors is None:
         num_actors = max(1, int(num_gpus // per_actor)) if per_actor > 0 else 1
     num_cpus = ray.cluster_resources().get("CPU", 0.0)
-    # Actors hold their CPUs for the whole run; reading and writing need one more, or the job waits forever.
+    # Actors hold their CPUs for the whole run (and write their own rows); reading needs one more, or the job
+    # waits forever.
     if num_actors * config.scaling.num_cpus_per_actor + 1 > num_cpus:
         raise InputError(
             f"{num_actors} actor(s) x scaling.num_cpus_per_actor={config.scaling.num_cpus_per_actor} leave no CPU "
-            f"of the cluster's {num_cpus:g} for reading and writing; lower scaling.num_actors or num_cpus_per_actor"
+            f"of the cluster's {num_cpus:g} for reading the input; lower scaling.num_actors or num_cpus_per_actor"
         )
     return num_actors, per_actor
+
+
+def wait_for_resources(num_actors: int, gpus_per_actor: float, scaling: ScalingConfig) -> None:
+    """Wait until the cluster has the job's CPUs and GPUs free (actors, plus one CPU to read with), at most
+    scaling.wait_for_resources_s; then refuse, saying what is missing, instead of a job that waits forever.
+
+    plan_actors checked the cluster's totals; this checks what is free now, e.g. while the actors of a job
+    that just ended (a killed run being resumed, a Serve app shut down) release theirs.
+    """
+    import ray
+
+    needed = {"CPU": num_actors * scaling.num_cpus_per_actor + 1, "GPU": num_actors * gpus_per_actor}
+    deadline = time.monotonic() + scaling.wait_for_resources_s
+    said = False
+    while True:
+        free = ray.available_resources()
+        short = {name: amount for name, amount in needed.items() if amount > 0 and free.get(name, 0.0) < amount}
+        if not short:
+            return
+        shown = ", ".join(f"{amount:g} {name} (free: {free.get(name, 0.0):g})" for name, amount in short.items())
+        if time.monotonic() >= deadline:
+            raise InputError(
+                f"the cluster does not have the resources this job needs free: {shown}, after waiting "
+                f"{scaling.wait_for_resources_s:g} s (scaling.wait_for_resources_s); stop what holds them "
+                "(`ray status` shows usage) or lower scaling.num_actors"
+            )
+        if not said:
+            logger.info("waiting up to %.0f s for %s", scaling.wait_for_resources_s, shown)
+            said = True
+        time.sleep(0.5)
 
 
 @contextmanager
@@ -215,8 +190,9 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
     # A local model by its absolute path: workers (and a job's temporary working dir) may not share our cwd.
     model = str(model_dir.resolve()) if Path(config.model.path).expanduser().is_dir() else config.model.path
     num_input_rows = sum(f.num_rows for f in files)
-    directory = Path(config.output.path).expanduser().resolve()
-    resumed = output_lib.open_output(directory, job_identity(files, config, model, moderator))
+    directory = output_directory(config.output.path)
+    model_id = model_identity(model_dir, config.model.tokenizer)
+    resumed = output_lib.open_output(directory, job_identity(files, config, model_id, moderator))
     run_id = new_run_id()
     with exclusive(directory):
         done: set[str] = set()
@@ -228,6 +204,7 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
         if len(done) < num_input_rows:
             init_ray()
             num_actors, gpus_per_actor = plan_actors(config)
+            wait_for_resources(num_actors, gpus_per_actor, config.scaling)
             _generate(config, files, directory, run_id, done, num_actors, gpus_per_actor, model, moderator)
             output_lib.commit_staged(directory, done)
         wall_s = time.perf_counter() - started
@@ -235,6 +212,15 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
         summary = {
             "run_id": run_id,
             "output": str(directory),
+            "model": model,
+            # One hash over the hashes of the model's files (its config, weights and tokenizer, as the
+            # output's _manifest.json lists them): the same value means the same weights.
+            "model_sha256": fingerprint.combined(
+                {
+                    **model_id["model_files"],
+                    **{f"tokenizer/{n}": h for n, h in model_id.get("tokenizer_files", {}).items()},
+                }
+            ),
             "input_rows": num_input_rows,
             **stats,
             # Also in errors and errors_by_kind: a blocked row is an error row.
@@ -271,6 +257,8 @@ def _generate(
     import ray.data
     from ray.data import ActorPoolStrategy
 
+    staging = directory / output_lib.STAGING_NAME / run_id
+    staging.mkdir(parents=True, exist_ok=True)
     spec = WorkerSpec(
         model=model,
         tokenizer=config.model.tokenizer,
@@ -279,11 +267,11 @@ def _generate(
         input=config.input,
         generation=config.generation,
         run_id=run_id,
+        staging_dir=str(staging),
         moderator=moderator,
     )
     derive_ids = not config.input.id_column
     columns = config.input.columns() + ([PATH_COLUMN, ROW_HASH_COLUMN] if derive_ids else [])
-    staging = directory / output_lib.STAGING_NAME / run_id
     logger.info(
         "generating %d rows with %d actor(s) into %s", sum(f.num_rows for f in files) - len(done), num_actors, directory
     )
@@ -308,4 +296,13 @@ def _generate(
             num_cpus=config.scaling.num_cpus_per_actor,
             num_gpus=gpus_per_actor,
         )
-        dataset.write_parquet(str(staging))
+        # The actors write their rows themselves and return only counts, which are streamed here. Why not
+        # write_parquet: it materializes the dataset and then checks Ray's free CPUs again, at a moment when
+        # the finished actors and write tasks still hold theirs, so a run that succeeded ended with "the
+        # Dataset job will hang unless more CPUs are freed up" (wait_for_resources checked what this job
+        # needs before it started). Writing in the actor also needs no extra task per batch.
+        written = sum(
+            pc.sum(batch.column("rows_written")).as_py() or 0
+            for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow")
+        )
+    logger.info("generated %d rows", written)

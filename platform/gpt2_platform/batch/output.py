@@ -5,12 +5,13 @@ Layout:
     out/_manifest.json          written first (atomically): marks the directory as ours and records
                                 which input and settings its rows belong to
     out/part-<run>-<name>.parquet   committed output files: complete, each id in exactly one of them
-    out/_staging/<run>/         where Ray's write_parquet of run <run> writes, file by file
+    out/_staging/<run>/         where the actors of run <run> write, one file per batch
     out/_summary.json           the last run's summary
 
-Ray writes each file in place, so a kill can leave a partial file, but only under `_staging/`. A file is
-committed by one `os.replace` into `out/` (atomic on one filesystem) after its footer has been read back,
-which a partial Parquet file does not have; rows whose id is already committed are dropped first. So at
+Each engine actor writes its batch's rows as one file under `_staging/<run>/`, under a temporary name
+renamed when complete, so a kill leaves at most a temporary file there. A file is committed by one
+`os.replace` into `out/` (atomic on one filesystem) after it has been read back whole (a file cut short
+has no footer); rows whose id is already committed are dropped first. So at
 any moment `out/part-*` holds complete files and every id at most once, and the committed ids are exactly
 the rows that are done.
 """
@@ -21,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,28 @@ def _check_columns(path: Path) -> None:
         )
 
 
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def identity_changes(previous: dict[str, Any], identity: dict[str, Any]) -> list[str]:
+    """What differs between two job identities, one entry per field ('model_files.model.safetensors: ...')."""
+    changes = []
+    for key in sorted(set(previous) | set(identity)):
+        was, now = previous.get(key), identity.get(key)
+        if was == now:
+            continue
+        if isinstance(was, dict) and isinstance(now, dict):
+            for name in sorted(set(was) | set(now)):
+                if was.get(name) != now.get(name):
+                    state = "missing" if name not in now else "new" if name not in was else "changed"
+                    changes.append(f"{key}.{name} {state}: was {_shown(was.get(name))}, now {_shown(now.get(name))}")
+        else:
+            changes.append(f"{key}: was {_shown(was)}, now {_shown(now)}")
+    return changes
+
+
 def open_output(directory: Path, identity: dict[str, Any]) -> bool:
     """Make `directory` this job's output, or check that it already is; True if it holds earlier work.
 
@@ -85,10 +109,16 @@ def open_output(directory: Path, identity: dict[str, Any]) -> bool:
     """
     if directory.exists() and not directory.is_dir():
         raise OutputError(f"output path {directory} is a file; set output.path to a directory")
-    entries = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    try:
+        entries = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    except OSError as error:
+        raise OutputError(f"output path {directory} cannot be listed ({error.strerror}); {_CHOOSE_WRITABLE}") from error
     if not entries:
-        directory.mkdir(parents=True, exist_ok=True)
-        write_json_atomically(directory / MANIFEST_NAME, {"format_version": FORMAT_VERSION, "identity": identity})
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            write_json_atomically(directory / MANIFEST_NAME, {"format_version": FORMAT_VERSION, "identity": identity})
+        except OSError as error:
+            raise _unwritable(directory, error) from error
         return False
     foreign = [name for name in entries if not _is_ours(name)]
     if MANIFEST_NAME not in entries or foreign:
@@ -102,18 +132,53 @@ def open_output(directory: Path, identity: dict[str, Any]) -> bool:
     except (OSError, json.JSONDecodeError) as error:
         raise OutputError(f"{directory / MANIFEST_NAME} is unreadable ({error}); choose another output.path") from error
     previous = manifest.get("identity", {}) if isinstance(manifest, dict) else {}
-    changed = sorted(key for key in set(previous) | set(identity) if previous.get(key) != identity.get(key))
-    if changed:
-        details = "; ".join(f"{key}: was {previous.get(key)!r}, now {identity.get(key)!r}" for key in changed[:3])
+    if previous and "model_files" not in previous:
         raise OutputError(
-            f"output path {directory} holds the output of a different job ({details}); rerun with the same input "
-            "and settings to resume it, or choose another output.path"
+            f"output path {directory} was written before outputs recorded the hashes of the model's files, so "
+            "this run cannot tell whether its rows came from the same weights; choose another output.path"
+        )
+    changes = identity_changes(previous, identity)
+    if changes:
+        raise OutputError(
+            f"output path {directory} holds the output of a different job ({'; '.join(changes[:4])}); rerun with "
+            "the same input, model and settings to resume it, or choose another output.path"
         )
     for path in part_files(directory):
         _check_columns(path)
+    check_writable(directory)
     for leftover in directory.glob(".*.tmp"):
         leftover.unlink()
     return True
+
+
+_CHOOSE_WRITABLE = "choose a directory this job can write to (output.path, --output) or fix its permissions"
+
+
+def _unwritable(directory: Path, error: OSError) -> OutputError:
+    return OutputError(f"output path {directory} is not writable ({error.strerror}); {_CHOOSE_WRITABLE}")
+
+
+def check_writable(directory: Path) -> None:
+    """Create and remove a file in the output and in its staging directory, where the rows and the summary go:
+    a read-only output fails here, before any Ray work, not after the rows were generated."""
+    try:
+        for place in (directory, directory / STAGING_NAME):
+            place.mkdir(exist_ok=True)
+            probe = place / f".write-check-{os.getpid()}.tmp"
+            probe.write_bytes(b"")
+            probe.unlink()
+    except OSError as error:
+        raise _unwritable(directory, error) from error
+
+
+def write_staged(table: pa.Table, run_dir: Path) -> Path:
+    """Write one batch's rows as a new file in a run's staging directory: under a temporary name, then
+    renamed, so a file with a Parquet name is complete (commit_staged still reads each back)."""
+    target = run_dir / f"{uuid.uuid4().hex}.parquet"
+    tmp = run_dir / f".{target.name}.tmp"
+    pq.write_table(table, tmp)
+    os.replace(tmp, target)
+    return target
 
 
 def read_ids(path: Path) -> list[str]:

@@ -6,11 +6,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from gpt2_platform.batch.config import GenerationConfig, InputConfig
+from gpt2_platform.batch.output import write_staged
 from gpt2_platform.batch.rows import (
     OUTPUT_SCHEMA,
     Request,
@@ -43,6 +45,7 @@ class WorkerSpec:
     input: InputConfig
     generation: GenerationConfig
     run_id: str
+    staging_dir: str  # where this run's actors write their files (output._staging/<run>)
     moderator: Moderator | None = None  # built on the driver from config.moderation; None: moderation off
 
 
@@ -114,6 +117,17 @@ class GenerateBatch:
         )
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        """Generate the batch's rows and write them as one staged file; returns how many it wrote.
+
+        The actor writes (not a Ray Data write stage after it): see run_generation's `_generate` for why.
+        """
+        rows = self.generate(batch)
+        if rows.num_rows:
+            write_staged(rows, Path(self.spec.staging_dir))
+        return pa.table({"rows_written": [rows.num_rows]})
+
+    def generate(self, batch: pa.Table) -> pa.Table:
+        """Input rows (ids already done are skipped) -> output rows (OUTPUT_SCHEMA)."""
         spec, columns = self.spec, self.spec.input
         ids = batch_ids(batch, columns.id_column)
         keep = [i for i, row_id in enumerate(ids) if row_id not in self.done]
