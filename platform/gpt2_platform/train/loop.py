@@ -9,6 +9,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,19 @@ from gpt2_platform.loading import build_model
 from gpt2_platform.model import GPT2, flops_per_token
 from gpt2_platform.train.metrics import TrainMetrics
 from gpt2_platform.train.parallelize import parallelize
+from gpt2_platform.train.resume import (
+    OPTIMIZER_STATE,
+    SCALER_STATE,
+    TRAIN_STATE,
+    Resume,
+    checkpoint_dir_name,
+    choose_checkpoint,
+)
 from gpt2_platform.train.step import TrainStep, build_optimizer, lr_at, resolve_precision
 from gpt2_platform.train.throughput import mfu, peak_memory_gib, peak_tflops
 
 logger = logging.getLogger(__name__)
 
-TRAIN_STATE = "train_state.json"
-OPTIMIZER_STATE = "optimizer.pt"
-SCALER_STATE = "scaler.pt"
 HISTORY = "history.jsonl"
 
 
@@ -106,15 +112,41 @@ def save_checkpoint(directory: Path, model: GPT2, step_fn: TrainStep, state: dic
     (directory / "config.yaml").write_text(dump(config))
 
 
-def load_weights(directory: Path, model: GPT2) -> dict:
+@dataclass
+class OptimizerStates:
+    """A checkpoint's optimizer (and GradScaler) state, read before the optimizer exists."""
+
+    optimizer: dict
+    scaler: dict | None
+
+
+def read_checkpoint(directory: Path, model: GPT2, device: torch.device) -> OptimizerStates:
+    """Load the weights into `model` and read the optimizer state; raises if any file is broken."""
     model.load_state_dict(ckpt.from_hf_state_dict(load_file(str(directory / ckpt.WEIGHTS_NAME))))
-    return json.loads((directory / TRAIN_STATE).read_text())
-
-
-def load_optimizer(directory: Path, step_fn: TrainStep, device: torch.device) -> None:
-    step_fn.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_STATE, map_location=device, weights_only=True))
+    optimizer = torch.load(directory / OPTIMIZER_STATE, map_location=device, weights_only=True)
+    scaler = None
     if (directory / SCALER_STATE).exists():
-        step_fn.scaler.load_state_dict(torch.load(directory / SCALER_STATE, weights_only=True))
+        scaler = torch.load(directory / SCALER_STATE, weights_only=True)
+    return OptimizerStates(optimizer, scaler)
+
+
+def resume_checkpoint(run_dir: Path, model: GPT2, device: torch.device, rank: int) -> Resume[OptimizerStates] | None:
+    """Load the newest whole checkpoint (Ray's latest first) into `model`; the same one on every rank."""
+    latest = ray.train.get_checkpoint()
+    resume = choose_checkpoint(
+        run_dir, Path(latest.path) if latest is not None else None, lambda d: read_checkpoint(d, model, device)
+    )
+    step = resume.step if resume is not None else -1
+    (low,), (high,) = (_all_reduce([step], device, op) for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX))
+    if low != high:
+        raise RuntimeError(
+            f"workers chose checkpoints of steps {low:g} to {high:g}: {run_dir} must be the same shared storage "
+            "on every node (run.storage_path)"
+        )
+    if rank == 0 and resume is not None:
+        skipped = f"; passed over: {'; '.join(resume.skipped)}" if resume.skipped else ""
+        logger.info("resuming from %s (step %d)%s", resume.directory, resume.step, skipped)
+    return resume
 
 
 def _append_history(run_dir: Path, record: dict) -> None:
@@ -195,21 +227,18 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     model = build_model(config.model).to(device)
     precision = resolve_precision(tc.precision, device)
-    state = {"step": 0, "tokens_seen": 0}
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            state = load_weights(Path(directory), model)
+    resume = resume_checkpoint(run_dir, model, device, rank)
     train_model = parallelize(model, device, tc.compile, tc.gradient_checkpointing)
     step_fn = TrainStep(
         train_model, build_optimizer(model, config.optim, device), precision, device, config.optim.grad_clip
     )
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            load_optimizer(Path(directory), step_fn, device)
-
-    start_step = state["step"]
-    tokens_seen = state["tokens_seen"]
+    start_step, tokens_seen, schedule_steps = 0, 0, tc.max_steps
+    if resume is not None:
+        step_fn.optimizer.load_state_dict(resume.loaded.optimizer)
+        if resume.loaded.scaler is not None:
+            step_fn.scaler.load_state_dict(resume.loaded.scaler)
+        # The schedule keeps the length of the run that started it (see trainer.check_resume).
+        start_step, tokens_seen, schedule_steps = resume.step, resume.tokens_seen, resume.schedule_steps
     block_size = config.data.block_size
     tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * world * block_size
     micro_per_epoch = loop_config["num_train_blocks"] // world // tc.micro_batch_size
@@ -247,7 +276,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         if rank == 0 and tc.fail_at_step == step:
             _inject_failure(run_dir, step)
         profiler.before_step(step)
-        lr = lr_at(step, config.optim, tc.max_steps)
+        lr = lr_at(step, config.optim, schedule_steps)
         loss, grad_norm = step_fn([next(batches) for _ in range(tc.grad_accum_steps)], lr)
         profiler.after_step(step)
         window_loss += loss
@@ -293,9 +322,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             if val_loss is not None:
                 metrics["val_loss"] = val_loss
                 metrics["val_ppl"] = math.exp(min(val_loss, 50.0))
-        _report(
-            metrics, do_checkpoint, rank, run_dir, model, step_fn, config, {"step": step, "tokens_seen": tokens_seen}
-        )
+        state = {"step": step, "tokens_seen": tokens_seen, "schedule_steps": schedule_steps}
+        _report(metrics, do_checkpoint, rank, run_dir, model, step_fn, config, state)
         window_loss.zero_()
         window_steps, window_start = 0, time.perf_counter()
 
@@ -340,7 +368,7 @@ def _report(
             ray.train.report(
                 metrics,
                 checkpoint=ray.train.Checkpoint.from_directory(directory),
-                checkpoint_dir_name=f"checkpoint_step_{state['step']:08d}",
+                checkpoint_dir_name=checkpoint_dir_name(run_dir, state["step"]),
             )
     else:
         ray.train.report(metrics)

@@ -22,6 +22,8 @@ from gpt2_platform.tokenizer import load_tokenizer
 from gpt2_platform.train.data import TOKENS_COLUMN, Datasets, build_datasets, files_by_format
 from gpt2_platform.train.loop import HISTORY, train_loop_per_worker
 from gpt2_platform.train.resources import cluster_room
+from gpt2_platform.train.resume import Resume, choose_checkpoint
+from gpt2_platform.train.step import lr_at
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,55 @@ def validate(config: Config) -> None:
         )
 
 
+def check_resume(config: Config, run_dir: Path) -> Resume | None:
+    """What resuming this run will do, said before it starts: which checkpoint (passing over broken ones),
+    and what a changed train.max_steps does to the learning-rate schedule.
+
+    The cosine schedule keeps the length it had when the run started: stretching it under a running
+    optimizer would throw the learning rate back up toward optim.lr. Steps past that length train at
+    optim.min_lr; a run that stops before the schedule's end stops above it.
+    """
+    resume = choose_checkpoint(run_dir)
+    if resume is None:
+        return None
+    tc = config.train
+    if resume.skipped:
+        logger.warning(
+            "resuming from %s (step %d), the newest whole checkpoint; passed over: %s",
+            resume.directory.name,
+            resume.step,
+            "; ".join(resume.skipped),
+        )
+    if tc.max_steps < resume.step:
+        raise ConfigError(
+            f"train.max_steps={tc.max_steps} is below step {resume.step}, where run {config.run.name!r} already is "
+            f"({resume.directory}); set train.max_steps >= {resume.step} to continue it, or choose another run.name"
+        )
+    if tc.max_steps == resume.step:
+        logger.info("run %s is already at train.max_steps=%d; exporting its model again", config.run.name, tc.max_steps)
+    elif tc.max_steps > resume.schedule_steps:
+        logger.warning(
+            "train.max_steps=%d goes past the %d steps this run's learning-rate schedule was made for; the schedule "
+            "stays, so steps %d-%d train at optim.min_lr=%g (for a schedule of their own, start a new run with "
+            "model.init_from set to this run's export)",
+            tc.max_steps,
+            resume.schedule_steps,
+            max(resume.schedule_steps, resume.step) + 1,
+            tc.max_steps,
+            config.optim.min_lr,
+        )
+    elif tc.max_steps < resume.schedule_steps:
+        logger.warning(
+            "train.max_steps=%d stops this run before the end of its %d-step learning-rate schedule; its last step "
+            "trains at lr %.3g, not optim.min_lr=%g",
+            tc.max_steps,
+            resume.schedule_steps,
+            lr_at(tc.max_steps, config.optim, resume.schedule_steps),
+            config.optim.min_lr,
+        )
+    return resume
+
+
 def export_model(checkpoint_dir: Path, config: Config, target: Path) -> Path:
     """The final model as a Hugging Face directory with its tokenizer, replacing any earlier export."""
 
@@ -117,6 +168,7 @@ def fit(config: Config) -> TrainResult:
     validate(config)
     run_dir = run_dir_of(config)
     check_writable(run_dir, config.run.storage_path)
+    check_resume(config, run_dir)
     init_ray()
     with cluster_room(config.scaling):
         return _train_and_export(config, run_dir)
@@ -160,14 +212,15 @@ def _train_and_export(config: Config, run_dir: Path) -> TrainResult:
     except OSError as error:  # the check above passed, but the storage changed (or filled up) since
         raise StorageError(f"cannot write the run directory {run_dir}: {error.strerror}") from error
     result = trainer.fit()
-    if result.checkpoint is None:
+    # Ray's latest checkpoint, unless it is broken and the run resumed from an older one and stopped there.
+    final = choose_checkpoint(run_dir, Path(result.checkpoint.path) if result.checkpoint is not None else None)
+    if final is None:
         raise RuntimeError(f"training finished without a checkpoint in {run_dir}; see the worker logs above")
-    with result.checkpoint.as_directory() as directory:
-        model_dir = export_model(Path(directory), config, run_dir / FINAL_MODEL_DIR)
+    model_dir = export_model(final.directory, config, run_dir / FINAL_MODEL_DIR)
     logger.info("model exported to %s (history: %s)", model_dir, run_dir / HISTORY)
     return TrainResult(
         run_dir=run_dir,
         model_dir=model_dir,
-        checkpoint_dir=Path(result.checkpoint.path),
+        checkpoint_dir=final.directory,
         metrics=dict(result.metrics or {}),
     )
