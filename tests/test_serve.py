@@ -472,6 +472,11 @@ def test_slow_bodies_get_408_while_good_requests_and_health_answer_promptly(clie
         assert client.get("/health", timeout=10).status_code == 200
         assert complete(client, prompt="still here", max_tokens=4)["choices"]
         assert time.monotonic() - started < 4, "a good request waited behind the slow clients"
+        # What the replica tells the autoscaling policy to leave out of its load.
+        from ray import serve
+
+        stats = serve.get_app_handle(APP).record_autoscaling_stats.remote().result(timeout_s=10)
+        assert stats == {"bodies_in_flight": len(slow)}, stats
         for sock in slow:
             status, body = _read_response(sock)
             assert status == 408, body
@@ -557,6 +562,38 @@ def test_a_killed_replica_is_replaced_and_serving_resumes(client):
     assert wait_until(served_by_a_new_replica, timeout_s=90, interval_s=0.5)
 
 
+def test_the_autoscaling_policy_leaves_out_requests_still_sending_their_bodies():
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    from gpt2_platform.serve.autoscaling import BODIES_IN_FLIGHT, working_requests_policy
+
+    def desired(total_num_requests: float, reading: dict[str, float]) -> float:
+        ctx = AutoscalingContext(
+            deployment_id=None,
+            deployment_name="GPT2Server",
+            app_name=APP,
+            current_num_replicas=2,
+            target_num_replicas=2,
+            running_replicas=[],
+            total_num_requests=total_num_requests,
+            total_queued_requests=0,
+            aggregated_metrics={BODIES_IN_FLIGHT: reading},
+            raw_metrics={},
+            capacity_adjusted_min_replicas=1,
+            capacity_adjusted_max_replicas=8,
+            policy_state={},
+            last_scale_up_time=None,
+            last_scale_down_time=None,
+            current_time=None,
+            config=AutoscalingConfig(target_ongoing_requests=10),
+        )
+        return working_requests_policy(ctx)[0]
+
+    assert desired(40, {}) == 4  # nothing reading: Serve's own rule, requests / target
+    assert desired(140, {"r1": 70, "r2": 70}) == 0  # slow clients alone: no load at all
+    assert desired(150, {"r1": 100}) == 5
+
+
 async def hold_streaming_load(url: str, num_streams: int, stop: asyncio.Event) -> None:
     """Keep `num_streams` long streaming completions in flight until `stop` is set."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as session:
@@ -585,6 +622,8 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(base_url, mo
         "upscale_delay_s": 0.5,
         "downscale_delay_s": 2,
         "look_back_period_s": 2,
+        # Ours: Serve's count less the bodies still arriving (none here), so it scales as Serve's would.
+        "policy": {"policy_function": "gpt2_platform.serve.autoscaling:working_requests_policy"},
     }
     # gpu_monitor: the replicas start the GPU exporters themselves (here they report "no GPU").
     args = {

@@ -38,6 +38,7 @@ from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.moderation import CONTENT_FILTER, CompletionGuard, Moderator, Verdict, build_moderator
 from gpt2_platform.monitoring import exporter
 from gpt2_platform.serve import errors, schemas
+from gpt2_platform.serve.autoscaling import BODIES_IN_FLIGHT
 from gpt2_platform.serve.errors import APIError, bad_request
 from gpt2_platform.serve.metrics import ServeMetrics
 from gpt2_platform.serve.streams import Choices, ChunkPacer, Job, run_callbacks
@@ -133,6 +134,7 @@ class GPT2Server:
             self.engine = Engine(checkpoint.load_pretrained(args.model), self.tokenizer, config).start()
         self.metrics = ServeMetrics(self.model_name)
         self._delivery_loop: asyncio.AbstractEventLoop | None = None
+        self._bodies_in_flight = 0  # requests whose bodies are still arriving (autoscaling leaves them out)
         exporter.start_if_wanted(args.gpu_monitor)  # idempotent: the first replica starts them, others reuse them
         self.metrics.start_sampling(self.engine.stats)
         self.created = schemas.now_s()
@@ -145,6 +147,10 @@ class GPT2Server:
         except ValidationError as error:
             raise ValueError(f"invalid user_config for {type(self).__name__}: {error}") from None
         logger.info("limits: %s", self.limits)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this for the autoscaling policy (serve/autoscaling.py): bodies still being read."""
+        return {BODIES_IN_FLIGHT: float(self._bodies_in_flight)}
 
     def check_health(self) -> None:
         """Serve calls this periodically; an engine whose loop died makes Serve replace the replica."""
@@ -214,8 +220,15 @@ class GPT2Server:
         self.metrics.record_request(route, response.status_code)
         return response
 
+    async def _read_body(self, request: Request, schema: type[schemas.Schema]) -> schemas.Schema:
+        self._bodies_in_flight += 1
+        try:
+            return await schemas.read_json(request, schema, self.limits)
+        finally:
+            self._bodies_in_flight -= 1
+
     async def _completions(self, request: Request) -> Response:
-        body = await schemas.read_json(request, schemas.CompletionRequest, self.limits)
+        body = await self._read_body(request, schemas.CompletionRequest)
         body.check(self.limits, self.model_name)
         reserve = body.max_tokens or self.limits.default_max_tokens
         prompts = [await self._encode(p, "prompt", reserve) if isinstance(p, str) else p for p in body.prompt_list()]
@@ -236,7 +249,7 @@ class GPT2Server:
 
     async def _generate(self, request: Request) -> Response:
         started_at = time.perf_counter()
-        body = await schemas.read_json(request, schemas.GenerateRequest, self.limits)
+        body = await self._read_body(request, schemas.GenerateRequest)
         prompt = await self._encode(body.prompt, "prompt", 1, length_param="max_length")
         max_tokens = body.max_length - len(prompt)
         if max_tokens < 1:
