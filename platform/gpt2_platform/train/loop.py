@@ -80,7 +80,7 @@ def validation_batches(tokens: np.ndarray | None, micro_batch_size: int, rank: i
     """This rank's share of the fixed validation micro-batches (rank r takes every r-th one)."""
     if tokens is None:
         return []
-    tokens = torch.from_numpy(tokens).long()  # (rows, T + 1)
+    tokens = torch.from_numpy(tokens.astype(np.int64))  # (rows, T + 1); a copy: the object store's array is read-only
     batches = [tokens[i : i + micro_batch_size] for i in range(0, len(tokens) - micro_batch_size + 1, micro_batch_size)]
     return batches[rank::world]
 
