@@ -168,7 +168,7 @@ def test_autoscaling_min_above_max_passes_serves_file_schema_but_not_ours():
         ({"initial_replicas": 20}, r"initial_replicas"),
         ({"target_ongoing_requests": 0}, r"target_ongoing_requests"),
         ({"target_ongoing_requets": 24}, r"unknown keys \['target_ongoing_requets'\]"),
-        ({"target_ongoing_requests": 200}, r"max_ongoing_requests: 128 is below autoscaling target_ongoing_requests"),
+        ({"target_ongoing_requests": 2000}, r"max_ongoing_requests: 1024 is below autoscaling target_ongoing_requests"),
     ],
 )
 def test_inconsistent_autoscaling_is_refused(autoscaling: dict[str, Any], match: str):
@@ -183,7 +183,7 @@ def test_inconsistent_autoscaling_is_refused(autoscaling: dict[str, Any], match:
         ({"max_batch_size": 0}, r"args: max_batch_size: Input should be greater than or equal to 1"),
         ({"max_batch_sise": 8}, r"args: max_batch_sise: Extra inputs are not permitted"),
         ({"api_key_env": None}, r"args\.api_key_env: Serve listens on '0\.0\.0\.0'"),
-        ({"max_batch_size": 128}, r"max_ongoing_requests: 128 must exceed args\.max_batch_size"),
+        ({"max_batch_size": 1024}, r"max_ongoing_requests: 1024 must exceed args\.max_batch_size"),
     ],
 )
 def test_bad_app_args_are_refused(args: dict[str, Any], match: str):
