@@ -62,3 +62,38 @@ def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
     assert list(state_a) == list(state_b)
     for name, tensor in state_a.items():
         assert torch.equal(tensor, state_b[name]), name
+
+
+def kernel_step_and_model_step(model: GPT2, prompts: list[list[int]], max_seq_len: int = 128) -> tuple[dict, dict]:
+    """One decode step after prefilling `prompts` (one slot each), computed twice from the same state:
+    by our Triton kernels and by the model's own modules. Each result holds the step's `logits`
+    (vocabulary wide), `positions`, `steps` and the KV cache (`kv`) it left."""
+    from gpt2_platform.engine import kernels
+    from gpt2_platform.engine.runner import ModelRunner
+
+    batch = len(prompts)
+    runner = ModelRunner(model, batch, max_seq_len, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    decoder = kernels.TritonDecoder(runner.model, runner.head)
+    first = runner.prefill(prompts, list(range(batch)))
+    runner.staged[:, :batch] = torch.tensor([[f, len(p), 1, 1] for f, p in zip(first, prompts, strict=True)]).T
+    before = [t.clone() for t in runner.cache.kv]
+    results = []
+    with torch.inference_mode():
+        for step in (
+            lambda: runner._forward(batch, max_seq_len),
+            lambda: decoder.forward(
+                runner.staged, runner.tokens, runner.positions, runner.steps, runner.cache.kv, batch
+            ),
+        ):
+            for t, saved in zip(runner.cache.kv, before, strict=True):
+                t.copy_(saved)
+            logits, positions, steps = step()
+            results.append(
+                dict(
+                    logits=logits[:, : model.config.vocab_size].clone(),
+                    positions=positions.tolist(),
+                    steps=steps.tolist(),
+                    kv=[t.clone() for t in runner.cache.kv],
+                )
+            )
+    return results[1], results[0]

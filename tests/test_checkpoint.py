@@ -214,12 +214,12 @@ def test_pickle_weights_are_not_loaded(tmp_path: Path) -> None:
         load_pretrained(str(directory))
 
 
-def test_non_gpt2_config_is_rejected(tmp_path: Path) -> None:
+def test_weights_that_do_not_fit_the_config_are_refused_by_name(tmp_path: Path) -> None:
     directory = save_pretrained(tiny_model(), tmp_path / "ckpt")
     config = json.loads((directory / CONFIG_NAME).read_text())
-    config["n_inner"] = 100
+    config["n_inner"] = 100  # the file's MLP is 256 wide
     (directory / CONFIG_NAME).write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="n_inner"):
+    with pytest.raises(ValueError, match=r"wrong shape .*transformer\.h\.0\.mlp\.c_fc\.weight \(256, 64\) \(config\.json gives \(100, 64\)\)"):
         load_pretrained(str(directory))
 
 

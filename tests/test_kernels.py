@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from gpt2_platform.engine import kernels
 from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams, resolve_decode_kernels
-from gpt2_platform.engine.runner import ModelRunner
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.model import GPT2, preset
 from gpt2_platform.tokenizer import byte_tokenizer
+from helpers_unit import kernel_step_and_model_step
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="triton is not installed (pip install -e '.[dev]')")
 
@@ -43,7 +43,7 @@ def test_ln_linear_is_layer_norm_then_linear_then_gelu_or_a_residual_add(model, 
     fc, down = block.mlp.c_fc, block.mlp.c_proj
     expected = F.gelu(fc(block.ln_2(x)), approximate="tanh")
     with torch.no_grad():
-        hidden = kernels.ln_linear(x, fc.weight, fc.bias, ln=ln, gelu=True)
+        hidden = kernels.ln_linear(x, fc.weight, fc.bias, ln=ln, activation="gelu_tanh")
         assert_close(hidden, expected)
         residual = x.clone()
         out = kernels.ln_linear(hidden, down.weight, down.bias, residual=residual, out=residual)
@@ -70,24 +70,12 @@ def test_decode_attention_writes_the_step_and_attends_up_to_each_rows_own_positi
 
 @pytest.mark.parametrize("batch", [1, 3, 5], ids=["gemv-1", "gemv-3", "cublas-around-our-attention"])
 def test_the_kernels_decode_step_is_the_models_step(model, batch):
-    runner = ModelRunner(model, 6, 128, torch.float32, torch.device("cpu"), cuda_graphs=False)
-    decoder = kernels.TritonDecoder(runner.model, runner.head)
     prompts = [[1, 2, 3, 4, 5], [7] * 70, [9, 8], [4] * 33, [100, 50, 25]][:batch]
-    first = runner.prefill(prompts, list(range(batch)))
-    runner.staged[:, :batch] = torch.tensor([[f, len(p), 1, 1] for f, p in zip(first, prompts, strict=True)]).T
-    before = [t.clone() for t in runner.cache.kv]
-    with torch.inference_mode():
-        logits, positions, steps = runner._forward(batch, 128)  # the model's modules
-        expected_kv = [t.clone() for t in runner.cache.kv]
-        for t, saved in zip(runner.cache.kv, before, strict=True):
-            t.copy_(saved)
-        ours, our_positions, our_steps = decoder.forward(
-            runner.staged, runner.tokens, runner.positions, runner.steps, runner.cache.kv, batch
-        )
-    assert_close(ours[:, : logits.shape[1]], logits)
-    assert our_positions.tolist() == positions.tolist() == [len(p) for p in prompts]
-    assert our_steps.tolist() == steps.tolist()
-    for got, want in zip(runner.cache.kv, expected_kv, strict=True):
+    ours, expected = kernel_step_and_model_step(model, prompts)
+    assert_close(ours["logits"], expected["logits"])
+    assert ours["positions"] == expected["positions"] == [len(p) for p in prompts]
+    assert ours["steps"] == expected["steps"]
+    for got, want in zip(ours["kv"], expected["kv"], strict=True):
         assert_close(got, want)
 
 

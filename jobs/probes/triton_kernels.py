@@ -48,7 +48,7 @@ def linears(batch: int, dtype: torch.dtype, device: torch.device) -> dict:
     shapes = {
         "qkv (ln)": dict(x=x, weight=w(3 * C, C), bias=w(3 * C), ln=(g, beta, 1e-5)),
         "out (residual)": dict(x=x, weight=w(C, C), bias=w(C), residual=True),
-        "fc (ln, gelu)": dict(x=x, weight=w(4 * C, C), bias=w(4 * C), ln=(g, beta, 1e-5), gelu=True),
+        "fc (ln, gelu)": dict(x=x, weight=w(4 * C, C), bias=w(4 * C), ln=(g, beta, 1e-5), activation="gelu_tanh"),
         "down (residual)": dict(x=h4, weight=w(C, 4 * C), bias=w(C), residual=True),
         "head (ln)": dict(x=x, weight=w(50304, C), bias=None, ln=(g, beta, 1e-5)),
     }
@@ -77,7 +77,7 @@ def linears(batch: int, dtype: torch.dtype, device: torch.device) -> dict:
                     spec["weight"],
                     spec["bias"],
                     ln=spec.get("ln"),
-                    gelu=spec.get("gelu", False),
+                    activation=spec.get("activation"),
                     residual=out,
                     out=out,
                     config=config,

@@ -27,6 +27,8 @@ from gpt2_platform.model import GPT2, GPT2Config
 logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
+# transformers' name for the map from each tensor to its file, when save_pretrained shards the weights.
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 # Hugging Face keeps these four as Conv1D, whose weight is (in, out).
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -53,10 +55,11 @@ def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def to_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Our parameters under Hugging Face names and layouts (tied head omitted, as HF saves it)."""
+    """Our parameters under Hugging Face names and layouts (a tied head omitted, as HF saves it)."""
     out = {}
+    tied = unwrap(model).config.tie_word_embeddings
     for name, tensor in clean_state_dict(unwrap(model).state_dict()).items():
-        if name == "lm_head.weight":
+        if name == "lm_head.weight" and tied:
             continue
         if name.endswith(_CONV1D_SUFFIXES):
             tensor = tensor.t()
@@ -65,7 +68,8 @@ def to_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def from_hf_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face GPT-2 weights (with or without the `transformer.` prefix) in our layout."""
+    """Hugging Face GPT-2 weights (with or without the `transformer.` prefix) in our layout; a head
+    that is not there is the token embedding (a tied model's)."""
     out = {}
     for name, tensor in clean_state_dict(state_dict).items():
         if name.endswith(_IGNORED_SUFFIXES):
@@ -95,12 +99,16 @@ def hf_config(config: GPT2Config, **extra: object):
         n_embd=config.n_embd,
         n_layer=config.n_layer,
         n_head=config.n_head,
-        activation_function="gelu_new",
+        n_inner=config.n_inner,
+        activation_function=config.activation_function,
         resid_pdrop=config.dropout,
         embd_pdrop=config.dropout,
         attn_pdrop=config.dropout,
         layer_norm_epsilon=config.layer_norm_epsilon,
-        tie_word_embeddings=True,
+        tie_word_embeddings=config.tie_word_embeddings,
+        scale_attn_weights=config.scale_attn_weights,
+        scale_attn_by_inverse_layer_idx=config.scale_attn_by_inverse_layer_idx,
+        reorder_and_upcast_attn=config.reorder_and_upcast_attn,
         architectures=["GPT2LMHeadModel"],
         **extra,
     )
@@ -115,9 +123,26 @@ HF_GPT2_DEFAULTS = dict(
     n_layer=12,
     n_head=12,
     n_inner=None,
+    activation_function="gelu_new",
     resid_pdrop=0.1,
     layer_norm_epsilon=1e-5,
+    tie_word_embeddings=True,
+    scale_attn_weights=True,
+    scale_attn_by_inverse_layer_idx=False,
+    reorder_and_upcast_attn=False,
+    add_cross_attention=False,
 )
+# The other names transformers' GPT2Config accepts for four of those fields (its attribute_map).
+_HF_ALIASES = {
+    "hidden_size": "n_embd",
+    "max_position_embeddings": "n_positions",
+    "num_attention_heads": "n_head",
+    "num_hidden_layers": "n_layer",
+}
+# Fields of transformers' GPT2Config that change the arithmetic and that our model does not implement,
+# with the value under which they change nothing. (Everything else it holds is a dropout rate, which a
+# run sets for itself, initialisation, tokens, or the heads of other tasks.)
+_REFUSED_FIELDS = {"add_cross_attention": False}
 
 
 def read_hf_config(directory: Path) -> SimpleNamespace:
@@ -135,14 +160,19 @@ def read_hf_config(directory: Path) -> SimpleNamespace:
         raise ValueError(f"{path} is not valid JSON: {error}") from error
     if not isinstance(fields, dict):
         raise ValueError(f"{path} should hold a JSON object, not {type(fields).__name__}")
+    for alias, name in _HF_ALIASES.items():
+        if alias in fields:
+            fields.setdefault(name, fields.pop(alias))
     return SimpleNamespace(**{**HF_GPT2_DEFAULTS, **fields})
 
 
 def config_from_hf(hf: object) -> GPT2Config:
+    """Our GPT2Config for a transformers one, or a ValueError naming the field that we cannot honour."""
     if getattr(hf, "model_type", "gpt2") != "gpt2":
         raise ValueError(f"checkpoint is a {hf.model_type!r} model; only GPT-2 checkpoints are supported")
-    if getattr(hf, "n_inner", None) not in (None, 4 * hf.n_embd):
-        raise ValueError(f"checkpoint has n_inner={hf.n_inner}; only the standard 4 x n_embd MLP is supported")
+    for name, harmless in _REFUSED_FIELDS.items():
+        if getattr(hf, name, harmless) != harmless:
+            raise ValueError(f"{name}={getattr(hf, name)!r} is not implemented (only {name}={harmless!r} is)")
     return GPT2Config(
         n_layer=hf.n_layer,
         n_head=hf.n_head,
@@ -151,7 +181,22 @@ def config_from_hf(hf: object) -> GPT2Config:
         n_positions=hf.n_positions,
         dropout=hf.resid_pdrop,
         layer_norm_epsilon=hf.layer_norm_epsilon,
+        n_inner=hf.n_inner,
+        activation_function=hf.activation_function,
+        tie_word_embeddings=hf.tie_word_embeddings,
+        scale_attn_weights=hf.scale_attn_weights,
+        scale_attn_by_inverse_layer_idx=hf.scale_attn_by_inverse_layer_idx,
+        reorder_and_upcast_attn=hf.reorder_and_upcast_attn,
     )
+
+
+def read_config(directory: Path) -> GPT2Config:
+    """The architecture a Hugging Face directory's config.json describes; a field we cannot honour is
+    refused with the file's path, the field and its value."""
+    try:
+        return config_from_hf(read_hf_config(directory))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{directory / CONFIG_NAME}: {error}") from error
 
 
 @contextmanager
@@ -238,25 +283,86 @@ def _init_skipped() -> Iterator[None]:
             setattr(nn.init, name, function)
 
 
-def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> GPT2:
-    """Load a GPT-2 from a local Hugging Face directory or a hub name."""
-    directory = resolve(name_or_path, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, "*.json", "*.txt"])
-    weights = directory / WEIGHTS_NAME
-    if not (directory / CONFIG_NAME).is_file() or not weights.is_file():
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face directory: model.safetensors, or the shards its index names."""
+    index = directory / WEIGHTS_INDEX_NAME
+    if (directory / WEIGHTS_NAME).is_file():
+        return [directory / WEIGHTS_NAME]
+    if not index.is_file():
         raise FileNotFoundError(
-            f"{directory} must hold {CONFIG_NAME} and {WEIGHTS_NAME} (safetensors; pickle is not loaded)"
+            f"{directory} must hold {CONFIG_NAME} and {WEIGHTS_NAME} (or sharded safetensors with "
+            f"{WEIGHTS_INDEX_NAME}); pickle (pytorch_model.bin) is not loaded"
         )
-    config = config_from_hf(read_hf_config(directory))
-    state_dict = from_hf_state_dict(load_file(str(weights)))
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map): {error}") from error
+    missing = [name for name in shards if not (directory / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{index} names shards that are not in {directory}: {', '.join(missing)}")
+    return [directory / name for name in shards]
+
+
+def _head_weights(config: GPT2Config, state_dict: dict[str, torch.Tensor], source: Path) -> None:
+    """Check the LM head in a checkpoint's weights against its tie_word_embeddings, and drop a tied copy.
+
+    An untied config needs a head of its own (transformers would fill a missing one with random numbers).
+    A tied config with a head that differs from the embedding is ambiguous (transformers 5 then keeps
+    the file's head and warns that the config is wrong): we refuse rather than guess which was meant.
+    """
+    head, embedding = state_dict.get("lm_head.weight"), state_dict.get("transformer.wte.weight")
+    if not config.tie_word_embeddings:
+        if head is None or head is embedding:  # (from_hf_state_dict stands the embedding in for a missing head)
+            raise ValueError(f"{source}: tie_word_embeddings is false, but the weights hold no lm_head.weight")
+        return
+    if head is not None and embedding is not None and head is not embedding and not torch.equal(head, embedding):
+        raise ValueError(
+            f"{source}: tie_word_embeddings is true, but the weights hold an lm_head.weight that differs from "
+            "transformer.wte.weight; if the head is its own, set tie_word_embeddings to false in config.json"
+        )
+    state_dict.pop("lm_head.weight", None)
+
+
+def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> GPT2:
+    """Load a GPT-2 from a local Hugging Face directory or a hub name.
+
+    Every consumer (training's init_from, serving, batch) loads through here, so a config.json field
+    this model does not implement is refused once, before any weights are read.
+    """
+    directory = resolve(name_or_path, allow_patterns=[CONFIG_NAME, "*.safetensors", "*.json", "*.txt"])
+    if not (directory / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{directory} must hold {CONFIG_NAME} and {WEIGHTS_NAME} (safetensors)")
+    config = read_config(directory)
+    files = weight_files(directory)
+    raw: dict[str, torch.Tensor] = {}
+    for file in files:
+        raw.update(load_file(str(file)))
+    state_dict = from_hf_state_dict(raw)
+    _head_weights(config, state_dict, directory)
     # Built on the meta device, the model allocates and randomly initialises nothing: the file's tensors
     # become its parameters. (Initialising first cost 1.5B random draws for gpt2-xl, only to overwrite them.)
     with torch.device("meta"), _init_skipped():
         model = GPT2(config)
-    missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
-    missing = [name for name in missing if name != "lm_head.weight"]
-    if missing or unexpected:
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    missing = [name for name in expected if name not in state_dict]
+    unexpected = [name for name in state_dict if name not in expected]
+    wrong = [
+        f"{name} {tuple(t.shape)} (config.json gives {expected[name]})"
+        for name, t in state_dict.items()
+        if name in expected and tuple(t.shape) != expected[name]
+    ]
+    if missing or unexpected or wrong:
         raise ValueError(
-            f"{weights} does not match a GPT-2 of this shape: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            f"{directory}: the weights do not match a GPT-2 of its config.json: "
+            + "; ".join(
+                f"{what} {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+                for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+                if names
+            )
         )
-    model.lm_head.weight = model.transformer.wte.weight  # assign replaced wte's parameter: tie the head again
+    model.load_state_dict(state_dict, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight  # assign replaced wte's parameter: tie the head again
     return model.to(device=device, dtype=dtype)

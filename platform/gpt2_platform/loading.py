@@ -14,8 +14,7 @@ def model_config(config: ModelConfig) -> GPT2Config:
     if config.init_from is None:
         return preset(config.preset, dropout=config.dropout)
     directory = checkpoint.resolve(config.init_from, allow_patterns=[checkpoint.CONFIG_NAME])
-    hf = checkpoint.read_hf_config(directory)
-    return dataclasses.replace(checkpoint.config_from_hf(hf), dropout=config.dropout)
+    return dataclasses.replace(checkpoint.read_config(directory), dropout=config.dropout)
 
 
 def build_model(config: ModelConfig) -> GPT2:

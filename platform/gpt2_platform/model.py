@@ -16,9 +16,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# transformers' names for the MLP activations (config.json `activation_function`) this model implements,
+# each mapped to the function it computes. The tanh family are one formula written five ways.
+ACTIVATIONS: dict[str, str] = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "gelu_accurate": "gelu_tanh",
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
+
 
 @dataclass(frozen=True)
 class GPT2Config:
+    """The architecture, with transformers' `GPT2Config` names for every field that changes the arithmetic."""
+
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
@@ -26,10 +43,47 @@ class GPT2Config:
     n_positions: int = 1024
     dropout: float = 0.0
     layer_norm_epsilon: float = 1e-5
+    n_inner: int | None = None
+    """The MLP's hidden width; None means 4 x n_embd."""
+    activation_function: str = "gelu_new"
+    """The MLP's activation, by transformers' name (see ACTIVATIONS)."""
+    tie_word_embeddings: bool = True
+    """The LM head is the token embedding; False gives it a weight of its own."""
+    scale_attn_weights: bool = True
+    """Attention scores are divided by sqrt(head size)."""
+    scale_attn_by_inverse_layer_idx: bool = False
+    """Attention scores of layer i (from 0) are also divided by i + 1."""
+    reorder_and_upcast_attn: bool = False
+    """transformers' eager attention then computes scores and softmax in fp32. Every attention here
+    (SDPA, flash, our decode kernel) already keeps scores and softmax in fp32, so the flag is carried
+    for a faithful save and changes nothing."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.activation_function not in ACTIVATIONS:
+            raise ValueError(
+                f"activation_function={self.activation_function!r} is not implemented; "
+                f"supported: {', '.join(ACTIVATIONS)}"
+            )
+        if self.n_inner is not None and self.n_inner <= 0:
+            raise ValueError(f"n_inner={self.n_inner} must be a positive MLP width (or null for 4 x n_embd)")
+
+    @property
+    def mlp_width(self) -> int:
+        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+    @property
+    def activation(self) -> str:
+        """The MLP activation's function: gelu_tanh, gelu, relu or silu."""
+        return ACTIVATIONS[self.activation_function]
+
+    def attention_scale(self, layer: int) -> float:
+        """The factor on layer `layer`'s attention scores (q @ k.T), as transformers' GPT-2 applies it."""
+        scale = (self.n_embd // self.n_head) ** -0.5 if self.scale_attn_weights else 1.0
+        if self.scale_attn_by_inverse_layer_idx:
+            scale /= layer + 1
+        return scale
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,8 +111,9 @@ class AttentionCache(Protocol):
     """A key/value store for inference (see engine/cache.py): it keeps each step's keys and values and
     attends over everything it holds for the row."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store this step's k, v `(B, nh, T, hs)`; return the attention output `(B, nh, T, hs)` for q."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Store this step's k, v `(B, nh, T, hs)`; return the attention output `(B, nh, T, hs)` for q,
+        with `scale` the factor on the scores."""
         ...
 
 
@@ -67,6 +122,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_head = config.n_head
+        self.scale = config.attention_scale(layer)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.dropout = config.dropout
@@ -78,25 +134,37 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if cache is not None:
-            y = cache.attend(self.layer, q, k, v)
+            y = cache.attend(self.layer, q, k, v, self.scale)
         else:
             # SDPA picks flash / memory-efficient kernels on GPU (plain causal case).
             dropout = self.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=self.scale)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+
+def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """`GPT2Config.activation`'s function of x. GPT-2 itself uses the tanh approximation of GELU."""
+    if activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if activation == "gelu":
+        return F.gelu(x)
+    if activation == "relu":
+        return F.relu(x)
+    assert activation == "silu", activation
+    return F.silu(x)
 
 
 class MLP(nn.Module):
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_fc = nn.Linear(config.n_embd, config.mlp_width)
+        self.c_proj = nn.Linear(config.mlp_width, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
+        self.activation = config.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # GPT-2 uses the tanh approximation of GELU ("gelu_new").
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        return self.dropout(self.c_proj(activate(self.c_fc(x), self.activation)))
 
 
 class Block(nn.Module):
@@ -113,7 +181,8 @@ class Block(nn.Module):
 
 
 class GPT2(nn.Module):
-    """GPT-2 language model; `lm_head` shares its weight with `transformer.wte`."""
+    """GPT-2 language model; `lm_head` shares its weight with `transformer.wte` unless
+    `config.tie_word_embeddings` is False."""
 
     def __init__(self, config: GPT2Config) -> None:
         super().__init__()
@@ -128,7 +197,8 @@ class GPT2(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
         if self.lm_head.weight.is_meta:
             return  # built to be loaded into (checkpoint.load_pretrained): there is nothing to initialise
         self.apply(self._init_weights)
@@ -192,7 +262,7 @@ class GPT2(nn.Module):
         return self.transformer.ln_f(x)
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameter count (the tied head counted once); non_embedding drops wte and wpe."""
+        """Parameter count (a tied head counted once); non_embedding drops wte and wpe."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
@@ -202,9 +272,10 @@ class GPT2(nn.Module):
 def flops_per_token(config: GPT2Config, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls (forward + backward) plus attention's 12·L·d·T.
 
-    N counts every parameter but the position embeddings, since the tied token
-    embedding is also the output projection (a real matmul).
+    N counts every parameter but the position embeddings: the token embedding is a lookup, and the
+    LM head (the same weight when tied) a real matmul.
     """
-    d, L, V = config.n_embd, config.n_layer, config.vocab_size
-    n = L * (12 * d * d + 13 * d) + V * d + 2 * d
+    d, L, V, m = config.n_embd, config.n_layer, config.vocab_size, config.mlp_width
+    # Per layer: QKV and out-projection (4d^2 + 4d), the MLP (2dm + m + d), two layer norms (4d).
+    n = L * (4 * d * d + 2 * d * m + 9 * d + m) + V * d + 2 * d
     return 6 * n + 12 * L * d * seq_len

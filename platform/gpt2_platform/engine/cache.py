@@ -51,11 +51,11 @@ class PrefillView:
     def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.cache, self.slots, self.positions = cache, slots[:, None], positions
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         # Index (B, 1) x (B, T) around the head dim: the target is (B, T, 2, nh, hs).
         kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=2)
         self.cache.kv[layer][self.slots, :, :, self.positions] = kv
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 class DecodeView:
@@ -68,9 +68,9 @@ class DecodeView:
         # (B, 1, 1, span): a row sees positions 0..its own, nothing past it.
         self.mask = (torch.arange(span, device=positions.device)[None, :] <= positions[:, None])[:, None, None, :]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         batch = k.shape[0]
         kv = self.cache.kv[layer]
         kv[self.rows, :, :, self.positions] = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)  # (B, 2, nh, hs)
         keys, values = kv[:batch, 0, :, : self.span], kv[:batch, 1, :, : self.span]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=scale)

@@ -7,7 +7,8 @@ cuBLAS, inductor's fusions and its Triton GEMM templates still give every layer 
 residual add, cache write and attention its own kernel or its own GEMM. These kernels fold each
 of those into the GEMV that reads the weights anyway, or into the attention:
 
-- `ln_linear`: layer norm of the input rows, then `x @ W.T + bias`, then GELU or a residual add.
+- `ln_linear`: layer norm of the input rows, then `x @ W.T + bias`, then the MLP's activation
+  (GELU in GPT-2; any of `model.ACTIVATIONS`) or a residual add.
 - `decode_attention`: writes the step's key and value into the cache and attends over the row's
   positions only (not a whole span bucket), one program per (row, head).
 - `embed`: picks each row's token, position and step (fed by the host, or left by the previous
@@ -33,6 +34,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from gpt2_platform.model import activate
+
 try:
     import triton
     import triton.language as tl
@@ -42,6 +45,10 @@ except ImportError:  # the CPU build of torch does not bring triton; the engine 
 
 def available() -> bool:
     return triton is not None
+
+
+# `ln_linear`'s activation codes, by `GPT2Config.activation` (0 is none).
+_ACTIVATION_CODES = {"gelu_tanh": 1, "gelu": 2, "relu": 3, "silu": 4}
 
 
 def unsupported(config) -> str | None:
@@ -73,7 +80,7 @@ if triton is not None:
         K: tl.constexpr,
         LN: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        GELU: tl.constexpr,
+        ACTIVATION: tl.constexpr,  # 0: none; else an index in _ACTIVATION_CODES
         RESIDUAL: tl.constexpr,
         PDL: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -125,10 +132,17 @@ if triton is not None:
             acc += tl.sum(xk.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
         if HAS_BIAS:
             acc += bias
-        if GELU:
-            # GPT-2's GELU, tanh approximation, on the rounded linear output as F.gelu sees it.
+        if ACTIVATION != 0:
+            # On the rounded linear output, as the model's activation sees it.
             h = acc.to(dtype).to(tl.float32)
-            acc = 0.5 * h * (1.0 + _tanh(0.7978845608028654 * (h + 0.044715 * h * h * h)))
+            if ACTIVATION == 1:  # GPT-2's GELU, tanh approximation
+                acc = 0.5 * h * (1.0 + _tanh(0.7978845608028654 * (h + 0.044715 * h * h * h)))
+            elif ACTIVATION == 2:  # exact GELU
+                acc = 0.5 * h * (1.0 + tl.erf(h * 0.7071067811865476))
+            elif ACTIVATION == 3:
+                acc = tl.maximum(h, 0.0)
+            else:  # SiLU
+                acc = h / (1.0 + tl.exp(-h))
         out_offsets = row * N + cols
         if RESIDUAL:
             res = tl.load(res_ptr + out_offsets, mask=col_ok, other=0.0).to(tl.float32)
@@ -303,13 +317,15 @@ def ln_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     ln: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    gelu: bool = False,
+    activation: str | None = None,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """`act(layer_norm(x) @ weight.T + bias) (+ residual)` for `x` `(B, K)`; `out` may be `residual` itself.
+
+    `activation`: None, or a `GPT2Config.activation` (gelu_tanh, gelu, relu, silu).
 
     `pdl`: launch with programmatic dependent launch (`pdl_supported`), so that this kernel loads its
     weights while the kernel before it finishes.
@@ -336,7 +352,7 @@ def ln_linear(
         K=k,
         LN=ln is not None,
         HAS_BIAS=bias is not None,
-        GELU=gelu,
+        ACTIVATION=0 if activation is None else _ACTIVATION_CODES[activation],
         RESIDUAL=residual is not None,
         PDL=pdl,
         num_warps=num_warps,
@@ -347,12 +363,17 @@ def ln_linear(
 
 
 def decode_attention(
-    qkv: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, block_t: int | None = None, pdl: bool = False
+    qkv: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float | None = None,
+    block_t: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per row: `qkv` `(B, 3C)`; `kv` the layer's cache `(slots, 2, H, T, D)`.
 
     Row i is cache slot i. Writes the rows' keys and values at `positions` `(B,)`, then attends over
-    positions 0..positions[i] of slot i. Returns `(B, C)`.
+    positions 0..positions[i] of slot i, with `scale` on the scores (default 1/sqrt(D)). Returns `(B, C)`.
     """
     batch = qkv.shape[0]
     _, two, heads, _, head_dim = kv.shape
@@ -368,7 +389,7 @@ def decode_attention(
         kv,
         positions,
         out,
-        1.0 / math.sqrt(head_dim),
+        1.0 / math.sqrt(head_dim) if scale is None else scale,
         kv.stride(0),
         kv.stride(1),
         kv.stride(2),
@@ -453,6 +474,8 @@ class TritonDecoder:
     def __init__(self, model: torch.nn.Module, head: torch.Tensor, pdl: bool | None = None) -> None:
         t = model.transformer
         self.wte, self.wpe = t.wte.weight, t.wpe.weight
+        self.activation = model.config.activation
+        self.scales = [model.config.attention_scale(layer) for layer in range(len(t.h))]
         self.layers = [
             (
                 (b.ln_1.weight, b.ln_1.bias, b.ln_1.eps),
@@ -485,9 +508,9 @@ class TritonDecoder:
             pdl = self.pdl
             for layer, (ln_1, qkv_proj, out_proj, ln_2, fc, down) in enumerate(self.layers):
                 qkv = ln_linear(x, *qkv_proj, ln=ln_1, pdl=pdl)
-                attended = decode_attention(qkv, kv[layer], position, pdl=pdl)
+                attended = decode_attention(qkv, kv[layer], position, self.scales[layer], pdl=pdl)
                 ln_linear(attended, *out_proj, residual=x, out=x, pdl=pdl)
-                hidden = ln_linear(x, *fc, ln=ln_2, gelu=True, pdl=pdl)
+                hidden = ln_linear(x, *fc, ln=ln_2, activation=self.activation, pdl=pdl)
                 ln_linear(hidden, *down, residual=x, out=x, pdl=pdl)
             normed = F.layer_norm(x, (self.width,), *self.ln_f)
         else:
@@ -500,17 +523,27 @@ class TritonDecoder:
 
         Each residual add happens inside the GEMM that produces it (`x.addmm_`, beta = 1); its bias
         goes into the next layer norm's kernel (`add_layer_norm`); FC, its bias and GELU are one
-        cuBLASLt call with the GELU epilogue. The plain way (layer norm, linear, residual add, ...)
+        cuBLASLt call with the GELU epilogue (ReLU has one too; exact GELU and SiLU follow the GEMM
+        as their own kernel). The plain way (layer norm, linear, residual add, ...)
         takes 10 launches a layer.
         """
         pdl = self.pdl  # for our kernels, each of which follows a cuBLAS one here
         pending = None  # the down-projection's bias, still to be added to x
         for layer, (ln_1, qkv_proj, out_proj, ln_2, fc, down) in enumerate(self.layers):
             qkv = F.linear(add_layer_norm(x, pending, ln_1, pdl=pdl), *qkv_proj)
-            x.addmm_(decode_attention(qkv, kv[layer], position, pdl=pdl), out_proj[0].t())
-            # cuBLASLt's GELU epilogue is the tanh approximation GPT-2 uses (torch's fallback applies the same).
+            x.addmm_(decode_attention(qkv, kv[layer], position, self.scales[layer], pdl=pdl), out_proj[0].t())
             normed = add_layer_norm(x, out_proj[1], ln_2, pdl=pdl)
-            hidden = torch._addmm_activation(fc[1], normed, fc[0].t(), use_gelu=True)
+            hidden = self._fc(normed, fc)
             x.addmm_(hidden, down[0].t())
             pending = down[1]
         return add_layer_norm(x, pending, self.ln_f, pdl=pdl)
+
+    def _fc(self, normed: torch.Tensor, fc: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The MLP's first linear with its bias and activation, on cuBLAS."""
+        if self.activation in ("gelu_tanh", "relu") and normed.is_cuda:
+            # On CUDA, cuBLASLt's GELU epilogue is the tanh approximation GPT-2 uses (torch's non-Lt
+            # fallback applies the same); without use_gelu, the epilogue is ReLU. On the CPU (Triton's
+            # interpreter) torch's _addmm_activation applies the exact GELU, so there the activation
+            # follows the GEMM.
+            return torch._addmm_activation(fc[1], normed, fc[0].t(), use_gelu=self.activation == "gelu_tanh")
+        return activate(F.linear(normed, *fc), self.activation)
