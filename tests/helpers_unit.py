@@ -64,18 +64,26 @@ def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(tensor, state_b[name]), name
 
 
-def kernel_step_and_model_step(model: GPT2, prompts: list[list[int]], max_seq_len: int = 128) -> tuple[dict, dict]:
+def kernel_step_and_model_step(
+    model: GPT2,
+    prompts: list[list[int]],
+    max_seq_len: int = 128,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> tuple[dict, dict]:
     """One decode step after prefilling `prompts` (one slot each), computed twice from the same state:
     by our Triton kernels and by the model's own modules. Each result holds the step's `logits`
     (vocabulary wide), `positions`, `steps` and the KV cache (`kv`) it left."""
     from gpt2_platform.engine import kernels
     from gpt2_platform.engine.runner import ModelRunner
 
-    batch = len(prompts)
-    runner = ModelRunner(model, batch, max_seq_len, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    batch, device = len(prompts), torch.device(device)
+    runner = ModelRunner(model, batch, max_seq_len, dtype, device, cuda_graphs=device.type == "cuda")
     decoder = kernels.TritonDecoder(runner.model, runner.head)
     first = runner.prefill(prompts, list(range(batch)))
-    runner.staged[:, :batch] = torch.tensor([[f, len(p), 1, 1] for f, p in zip(first, prompts, strict=True)]).T
+    runner.staged[:, :batch] = torch.tensor(
+        [[f, len(p), 1, 1] for f, p in zip(first, prompts, strict=True)], device=device
+    ).T
     before = [t.clone() for t in runner.cache.kv]
     results = []
     with torch.inference_mode():

@@ -186,32 +186,53 @@ def test_compiled_graphs_of_every_sampling_mode_match_the_eager_graphs_on_gpu():
     assert outputs[0] == outputs[1]
 
 
+# The shapes of the GPT2Config variants our kernels implement (tests/test_hf_variants.py checks them against
+# transformers on the CPU), on GPT-2 124M's width.
+KERNEL_VARIANTS = {
+    "gpt2": {},
+    "untied-silu-inverse-layer-narrow": dict(
+        tie_word_embeddings=False, activation_function="silu", scale_attn_by_inverse_layer_idx=True, n_inner=2048
+    ),
+    "relu-unscaled": dict(activation_function="relu", scale_attn_weights=False),
+    "exact-gelu": dict(activation_function="gelu"),
+}
+
+
+@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
 @pytest.mark.parametrize("batch", [1, 4, 8, 64], ids=["gemv-1", "gemv-4", "cublas-8", "cublas-64"])
-def test_the_triton_decode_kernels_match_the_models_modules_in_bf16_on_gpu(batch):
-    from gpt2_platform.engine import kernels
-    from gpt2_platform.engine.runner import ModelRunner
+def test_the_triton_decode_kernels_match_the_models_modules_in_bf16_on_gpu(batch, variant):
+    from helpers_unit import kernel_step_and_model_step
 
     torch.manual_seed(0)
-    device = torch.device("cuda")
-    runner = ModelRunner(GPT2(preset("gpt2")), 64, 256, torch.bfloat16, device, cuda_graphs=True)
-    decoder = kernels.TritonDecoder(runner.model, runner.head)
+    model = GPT2(preset("gpt2", **KERNEL_VARIANTS[variant]))
     prompts = [torch.randint(0, 50257, (int(n),)).tolist() for n in torch.randint(1, 200, (batch,))]
-    first = runner.prefill(prompts, list(range(batch)))
-    runner.staged[:, :batch] = torch.tensor(
-        [[f, len(p), 1, 1] for f, p in zip(first, prompts, strict=True)], device=device
-    ).T
-    saved = [t.clone() for t in runner.cache.kv]
-    with torch.inference_mode():
-        logits, _, _ = runner._forward(batch, 256)
-        for t, s in zip(runner.cache.kv, saved, strict=True):
-            t.copy_(s)
-        ours, _, _ = decoder.forward(
-            runner.staged, runner.tokens, runner.positions, runner.steps, runner.cache.kv, batch
-        )
-    ours = ours[:, : logits.shape[1]].float()
+    ours, expected = kernel_step_and_model_step(model, prompts, 256, torch.bfloat16, "cuda")
+    ours, logits = ours["logits"].float(), expected["logits"].float()
     # bf16: the fused kernels round in other places than cuBLAS and torch's layer norm.
-    assert (ours - logits.float()).abs().max() < 0.03 * logits.float().abs().max()
-    assert (ours.argmax(-1) == logits.float().argmax(-1)).float().mean() >= 0.9
+    assert (ours - logits).abs().max() < 0.03 * logits.abs().max()
+    assert (ours.argmax(-1) == logits.argmax(-1)).float().mean() >= 0.9
+
+
+def test_an_engine_on_gpu_generates_transformers_greedy_tokens_for_a_transformers_variant(tmp_path):
+    from gpt2_platform import checkpoint
+    from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams
+    from gpt2_platform.engine.sampling import SamplingParams
+    from gpt2_platform.tokenizer import byte_tokenizer
+    from test_hf_variants import PROMPTS, VARIANTS, save_transformers_model, transformers_greedy_tokens
+
+    reference = save_transformers_model(tmp_path, VARIANTS["everything-at-once"][0]).cuda()
+    tokenizer = byte_tokenizer()
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    config = EngineConfig(max_batch_size=8, max_seq_len=64, dtype="fp32")  # kernels and CUDA graphs: auto
+    engine = Engine(checkpoint.load_pretrained(str(tmp_path)), tokenizer, config).start()
+    params = GenerationParams(max_tokens=8, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+    try:
+        assert engine.runner.decoder is not None
+        ours = [c.token_ids for c in engine.generate(prompts[:1], params)]
+        ours += [c.token_ids for c in engine.generate(prompts, params)]
+    finally:
+        engine.shutdown()
+    assert ours == transformers_greedy_tokens(reference, prompts)
 
 
 def test_programmatic_dependent_launch_gives_the_same_logits_as_plain_launches_in_cuda_graphs():

@@ -126,7 +126,11 @@ def transformers_greedy_tokens(reference: torch.nn.Module, prompts: list[list[in
     for prompt in [prompts[0], *prompts]:
         with torch.no_grad():
             out = reference.generate(
-                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+                torch.tensor([prompt], device=reference.device),
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
         expected.append(out[0, len(prompt) :].tolist())
     return expected
