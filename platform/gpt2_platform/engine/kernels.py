@@ -292,22 +292,19 @@ def _launch(pdl: bool) -> dict:
 GEMV_MAX_BATCH = 4
 """Up to this many rows, linears run as our GEMV kernel; past it, as cuBLAS GEMMs (see `TritonDecoder`).
 
-H200 graph replay of the whole step (jobs/probes/decode_step_variants.py, 2026-12-01, with
-programmatic dependent launch), GEMV against cuBLAS around our attention: 0.241 against 0.289 ms at
-batch 1 (no PDL), 0.288 against 0.516 at batch 2, 0.372 against 0.513 at 4, but 0.567 against 0.519
-at 8: the GEMV reads the weights once per row."""
+Where the two cross on an H200 (graph replay of the whole step, jobs/probes/decode_step_variants.py;
+figures in docs/benchmarks.md, sessions 6-8): the GEMV wins clearly at 1-4 rows and loses from 8, because
+it reads the weights once per row."""
 
 
 def linear_config(n: int, k: int) -> dict[str, int]:
     """Tile sizes for `ln_linear`: a GEMV, one row a program (the grid's second axis runs over rows).
 
-    At batch 1 on an H200 (jobs/probes/triton_kernels.py, 2026-12-01, weights hot in L2): 8 output
-    columns a program with whole 1,024-wide rows of K loaded at once was the fastest of seven tilings
-    for every linear of GPT-2 124M: 4.1 us for the QKV projection with its layer norm (cuBLAS and
-    torch's layer norm: 6.5 us), 3.1 for the out-projection with its residual (5.5), 4.2 for the
-    FC with its layer norm and GELU (7.9), 5.0 for the down-projection (7.7). Tiles of several rows
-    (`tl.dot` at 16-64 rows, or products of 4 rows with K cut to 256 to fit the registers) lost to
-    cuBLAS: 11-24 us against 5-8 at 64 rows, and a batch-4 step twice as slow (0.97 ms).
+    At batch 1 on an H200 (jobs/probes/triton_kernels.py, weights hot in L2; figures in
+    docs/benchmarks.md), 8 output columns a program with whole 1,024-wide rows of K loaded at once was
+    the fastest of seven tilings for every linear of GPT-2 124M, and beat cuBLAS plus torch's layer
+    norm on each. Tiles of several rows (`tl.dot` at 16-64 rows, or products of 4 rows with K cut to 256
+    to fit the registers) lost to cuBLAS, which is why rows past `GEMV_MAX_BATCH` go to cuBLAS.
     """
     return dict(BLOCK_N=8, BLOCK_K=min(_pow2(k), 1024), num_warps=8)
 
@@ -464,8 +461,8 @@ class TritonDecoder:
     write, out-projection with the residual, FC with ln_2 and GELU, down-projection with the
     residual). Past it, 7 (`gemm_layers`): cuBLAS GEMMs, which our `tl.dot` tiles did not beat, that
     add the residual themselves, around our attention and our layer norms that add the bias. The LM
-    head is always cuBLAS: 77 MB streamed, where our kernel was no faster (a 0.2455 ms step against
-    0.2409 with cuBLAS, H200, 2026-12-01).
+    head is always cuBLAS: 77 MB streamed, where our kernel was no faster on an H200
+    (docs/benchmarks.md).
 
     Holds references to the model's own parameters (no copies), so it follows weights loaded later.
     `pdl`: programmatic dependent launch between our kernels; None: where the device supports it.

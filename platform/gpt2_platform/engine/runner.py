@@ -49,10 +49,9 @@ def argmax_in_blocks(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     One pass gives a row's 50K logits to one thread block, a long serial reduction when the batch is
     small (11 us of an H200 decode step at batch 1), and inductor does not split an argmax itself.
     Ties go to the first index, as with argmax: the first block holding the row's max, then the first
-    index in it. The engine uses it on CUDA at batch <= 16 only: with the one-write KV cache it took the
-    batch-1 step from 0.494 to 0.476 ms, while the batch-256 step went from 1.240 to 1.272 ms
-    (jobs/probes/decode_step_variants.py, 2026-12-01). Batch sizes in between were not measured, nor
-    is it used on CPUs.
+    index in it. The engine uses it on CUDA at batch <= 16 only: on an H200 it made the batch-1 step
+    faster and the batch-256 step slower (jobs/probes/decode_step_variants.py; docs/benchmarks.md,
+    session 4). Batch sizes in between were not measured, nor is it used on CPUs.
     """
     batch, vocab = logits.shape
     padded = torch.nn.functional.pad(logits.float(), (0, -vocab % block), value=float("-inf"))
@@ -88,8 +87,8 @@ class ModelRunner:
         self.prefill_buckets = buckets(max_seq_len, min(16, max_seq_len))
         self.use_graphs = cuda_graphs and device.type == "cuda"
         # The LM head, padded to a multiple of 64 rows: cuBLAS has no fast kernel for an odd row count
-        # such as GPT-2's 50257. On an H200 the head took 155 us at batch 64 and 212 us at 256; padded to
-        # 50304 rows, 24 and 34 us (jobs/probes/linear_kernels.py, 2026-12-01). The extra rows are zeros,
+        # such as GPT-2's 50257; padded to 50304 rows, the head ran several times faster on an H200
+        # (jobs/probes/linear_kernels.py; docs/benchmarks.md). The extra rows are zeros,
         # and the logits are cut to `vocab_limit` anyway.
         head = self.model.lm_head.weight
         padded_rows = -(-head.shape[0] // 64) * 64
@@ -251,9 +250,8 @@ class ModelRunner:
         A row's inputs come from `staged` where the host fed them, else from what the previous step left.
         """
         if self.decoder is not None:
-            # H200, GPT-2 124M, graph replay with the pick compiled (jobs/probes/decode_step_variants.py,
-            # 2026-12-01): 0.337 ms at batch 1 against 0.477 for the compiled modules, 0.668 against
-            # 0.675 at 64, 1.135 against 1.263 at 256.
+            # Our kernels were faster than the compiled modules at batch 1, 64 and 256 on an H200
+            # (jobs/probes/decode_step_variants.py; docs/benchmarks.md).
             logits, positions, steps = self.decoder.forward(
                 self.staged, self.tokens, self.positions, self.steps, self.cache.kv, batch
             )
