@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +34,25 @@ def test_the_bundle_is_what_ray_train_reserves() -> None:
         "GPU": 0.5,
         "x": 0.01,
     }
+
+
+def test_the_local_cluster_counts_as_fixed_and_ray_up_types_as_autoscaled(ray_cluster) -> None:
+    import ray
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    from gpt2_platform.train.resources import _v1_autoscaler_running, autoscaled_node_types
+
+    deadline = time.monotonic() + 60  # the monitor writes its first report a few seconds after start
+    while not _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    local = json.loads(_internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS))
+    node_id = ray.get_runtime_context().get_node_id()
+    assert local["autoscaler_report"]["node_type_mapping"] == {node_id: f"node_{node_id}"}
+    assert autoscaled_node_types(local) == set() and not _v1_autoscaler_running()
+    # Under `ray up cluster.yaml` the report names the config's node types (the format of `ray status`).
+    ray_up = {"autoscaler_report": {"active_nodes": {"head": 1}, "node_type_mapping": {"10.0.0.1": "head"}}}
+    assert autoscaled_node_types(ray_up) == {"head"}
 
 
 def cluster_cpus() -> tuple[float, float]:

@@ -8,6 +8,7 @@ one that could fit once other work frees resources, or once an autoscaler adds n
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -58,6 +59,28 @@ def _autoscaler_max_resources() -> dict[str, float] | None:
     except Exception:  # an internal API: if it moves, treat the cluster as fixed
         logger.debug("could not read the autoscaler's cluster config", exc_info=True)
         return None
+
+
+def autoscaled_node_types(status: dict) -> set[str]:
+    """The node types an autoscaler status report names that belong to a real autoscaler config. On a
+    cluster without one, the monitor runs read-only and names each node's type after its id (node_<id>)."""
+    report = status.get("autoscaler_report") or {}
+    node_types = set(report.get("active_nodes") or {}) | set((report.get("node_type_mapping") or {}).values())
+    return {node_type for node_type in node_types if not node_type.startswith("node_")}
+
+
+def _v1_autoscaler_running() -> bool:
+    """Whether Ray's v1 autoscaler (`ray up`, KubeRay) runs, from the status its monitor writes every few
+    seconds; if that cannot be read, the cluster counts as fixed."""
+    try:
+        from ray._private import ray_constants
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+        return bool(raw) and bool(autoscaled_node_types(json.loads(raw)))
+    except Exception:  # an internal format: if it changes, treat the cluster as fixed
+        logger.debug("could not read the autoscaler's status report", exc_info=True)
+        return False
 
 
 def _describe(bundle: dict[str, float]) -> str:
@@ -129,8 +152,8 @@ def _wait_until_free(scaling: ScalingConfig, bundle: dict[str, float], why: str)
 def cluster_room(scaling: ScalingConfig) -> Iterator[None]:
     """Return (enter) once the cluster has room for the workers; refuse at once if it never can.
 
-    With an autoscaler, the workers' resources are requested from it while inside, so that it adds
-    nodes for them before the trainer asks; the request is withdrawn on leaving.
+    With an autoscaler, the workers' resources are requested from it while inside (request_resources),
+    so that it adds nodes for them before the trainer asks; the request is withdrawn on leaving.
     """
     bundle = worker_bundle(scaling)
     nodes = _node_resources()
@@ -142,10 +165,10 @@ def cluster_room(scaling: ScalingConfig) -> Iterator[None]:
         yield
         return
     most = _autoscaler_max_resources()
-    if not most:
+    if not most and not _v1_autoscaler_running():
         raise ClusterResourcesError(_never_fits(scaling, bundle, nodes))
-    # An autoscaler's limits are totals per resource, as Ray Train checks them.
-    short = [name for name, amount in bundle.items() if amount * scaling.num_workers > most.get(name, 0.0)]
+    # An autoscaler's limits, where it publishes them, are totals per resource, as Ray Train checks them.
+    short = [name for name, amount in bundle.items() if most and amount * scaling.num_workers > most.get(name, 0.0)]
     if short:
         raise ClusterResourcesError(
             f"scaling.num_workers={scaling.num_workers} workers of {_describe(bundle)} need more than the "
