@@ -1,13 +1,14 @@
 """Start, inspect and stop a local Ray head with token authentication and a loopback-only dashboard.
 
-    python jobs/cluster.py start [--num-cpus 8] [--num-gpus 1] [--free-ports]
+    python jobs/cluster.py start [--num-cpus 8] [--num-gpus 1] [--free-ports] [--multi-node]
     python jobs/cluster.py status [--json]
     python jobs/cluster.py stop
 
-`start` makes ~/.ray/auth_token if there is none (`ray get-auth-token --generate`), starts
+`start` makes ~/.ray/auth_token (mode 600) if there is none, or makes an existing one private, starts
 `ray start --head` with RAY_AUTH_MODE=token and --dashboard-host=127.0.0.1 from this environment (so jobs
-run with its Python), and prints how to submit jobs. `stop` stops only this head (never `ray stop`, which
-stops every Ray on the machine). --state-dir keeps several heads apart.
+run with its Python), and prints how to submit jobs. Every other port, the metrics port included (which no
+token guards), listens on 127.0.0.1 too, unless --multi-node lets other machines join. `stop` stops only
+this head (never `ray stop`, which stops every Ray on the machine). --state-dir keeps several heads apart.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--num-gpus", type=int, help="GPUs to offer (default: all)")
     start.add_argument("--temp-dir", type=Path, help="Ray's temp dir (default /tmp/ray; keep it short)")
     start.add_argument("--timeout-s", type=float, default=120, help="how long to wait for the dashboard")
+    start.add_argument(
+        "--multi-node",
+        action="store_true",
+        help="let other machines join: Ray's ports, the unauthenticated metrics port too, on every interface",
+    )
     status = commands.add_parser("status", help="whether the head runs, and where")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     commands.add_parser("stop", help="stop the head and everything it started")
@@ -56,10 +62,26 @@ def main(argv: list[str] | None = None) -> int:
                 gcs=args.port, dashboard=args.dashboard_port
             )  # fmt: skip
             state = local_cluster.start(
-                args.state_dir, ports, args.num_cpus, args.num_gpus, args.temp_dir, timeout_s=args.timeout_s
+                args.state_dir,
+                ports,
+                args.num_cpus,
+                args.num_gpus,
+                args.temp_dir,
+                timeout_s=args.timeout_s,
+                loopback_only=not args.multi_node,
             )
             print(f"Ray head running (pid {state.pid}), token auth on, log {state.log_path}")
             print(f"dashboard: {state.dashboard_url} (127.0.0.1 only; token: `ray get-auth-token`)")
+            if state.loopback_only:
+                print("every port listens on 127.0.0.1 only: no other machine can join (--multi-node to allow it)")
+                print(
+                    f"a driver outside `ray job submit` needs Ray's single-machine mode: "
+                    f"{local_cluster.LOOPBACK_ONLY_VAR}=0 RAY_AUTH_MODE=token RAY_ADDRESS={state.gcs_address}"
+                )
+            else:
+                gcs_port = state.gcs_address.rsplit(":", 1)[1]
+                print(f"other machines join with `RAY_AUTH_MODE=token ray start --address=<this host>:{gcs_port}`")
+                print("and the same token; the metrics port answers anyone who reaches it: firewall it")
             print("submit jobs with:")
             print("  export RAY_AUTH_MODE=token")
             print(

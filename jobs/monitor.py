@@ -4,7 +4,10 @@
     python jobs/monitor.py status [--json]          # a fresh per-node, per-GPU table
     python jobs/monitor.py stop                     # stop every exporter
 
-Connects to RAY_ADDRESS when set, else starts an embedded local Ray. A node
+Connects to RAY_ADDRESS when set, else starts an embedded local Ray. RAY_ADDRESS
+may be the GCS's host:port or the dashboard's http://host:8265 that `ray job submit`
+takes: then the same command runs on the cluster as a job (this checkout uploaded,
+as `ray job submit --working-dir .` would), and its output is printed here. A node
 without NVIDIA GPUs is reported plainly ("no NVIDIA GPU on node X (reason)"),
 which is not an error.
 """
@@ -19,8 +22,9 @@ import os
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
 # Run from a checkout without installing: the package lives in platform/.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
+sys.path.insert(0, str(ROOT / "platform"))
 
 from gpt2_platform.jobs_common import run_main  # noqa: E402
 
@@ -35,12 +39,24 @@ def main(argv: list[str] | None = None) -> int:
     status = commands.add_parser("status", help="print a fresh per-node, per-GPU table")
     status.add_argument("--json", action="store_true", help="print the samples as JSON instead")
     commands.add_parser("stop", help="stop the exporters on every node")
-    args = parser.parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(arguments)
+    succeeded = True
 
     def run() -> None:
+        nonlocal succeeded
+        from gpt2_platform.runtime import init_ray, is_dashboard_url, run_as_job
+
+        address = os.environ.get("RAY_ADDRESS")
+        if is_dashboard_url(address):
+            # A driver must reach the GCS, which the dashboard's URL does not name (and an SSH tunnel to the
+            # dashboard does not forward): run the command where it can.
+            script = Path(__file__).resolve().relative_to(ROOT)
+            succeeded = run_as_job(address, [str(script), *arguments], working_dir=ROOT)
+            return
+
         from gpt2_platform.monitoring import exporter
         from gpt2_platform.monitoring.nvml import format_status
-        from gpt2_platform.runtime import init_ray
 
         init_ray()
         if args.command == "start":
@@ -60,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(format_status(samples))
 
-    return run_main(run)
+    code = run_main(run)
+    return code if code or succeeded else 1
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""jobs/cluster.py starts a head with token auth and a loopback-only dashboard, and stops only that head."""
+"""jobs/cluster.py starts a head with token auth (a private token file) and every port on loopback, and stops only
+that head; jobs/monitor.py reaches it with either form of RAY_ADDRESS."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "jobs" / "cluster.py"
+MONITOR = REPO / "jobs" / "monitor.py"
 TCP_LISTEN = "0A"
+# 127.0.0.1 as /proc/net/tcp writes it, and as /proc/net/tcp6 writes an IPv4-mapped ::ffff:127.0.0.1.
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F"}
 
 
 class Cluster:
@@ -66,6 +70,27 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
+def listening_sockets_of(pids: set[int]) -> set[tuple[str, int]]:
+    """(hex local address, port) of every TCP socket that one of `pids` listens on."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:  # gone, or not ours
+            continue
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, hex_port = fields[1].split(":")
+            if fields[3] == TCP_LISTEN and fields[9] in inodes:
+                found.add((address, int(hex_port, 16)))
+    return found
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     cluster = Cluster()
@@ -97,6 +122,50 @@ def test_dashboard_listens_on_loopback_only(cluster: Cluster):
     assert listening_addresses(port) == {"0100007F"}
 
 
+def test_token_file_is_readable_by_its_owner_only(cluster: Cluster):
+    # Ray's own `ray get-auth-token --generate` writes it 0644 (the umask's mode).
+    token = cluster.root / "home" / ".ray" / "auth_token"
+    assert oct(token.stat().st_mode & 0o777) == oct(0o600)
+    assert oct(token.parent.stat().st_mode & 0o777) == oct(0o700)
+
+
+def test_every_port_of_the_head_listens_on_loopback_only(cluster: Cluster):
+    """The metrics port has no token auth; the GCS, raylet and agents need none from outside either."""
+    sockets = listening_sockets_of(set(local_cluster.processes_marked(str(cluster.state_dir.resolve()))))
+    # GCS, dashboard, raylet, object manager, metrics, the agents and the client server at least.
+    assert len(sockets) >= 8, sockets
+    assert {address for address, _ in sockets} <= LOOPBACK, sorted(sockets)
+
+
+def run_monitor(cluster: Cluster, ray_address: str, **env: str) -> subprocess.CompletedProcess[str]:
+    env = {**cluster.env, "RAY_ADDRESS": ray_address, "RAY_AUTH_MODE": "token", **env}
+    return subprocess.run(
+        [sys.executable, str(MONITOR), "status"],
+        env=env, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["dashboard URL", "GCS address"])
+def test_monitor_status_takes_either_form_of_ray_address(cluster: Cluster, form: str):
+    """docs/operating.md exports RAY_ADDRESS=http://127.0.0.1:8265 for `ray job submit`; monitor.py then runs
+    itself as a job. With the GCS's host:port it connects as a driver. Both sample the head's one node."""
+    if form == "dashboard URL":
+        done = run_monitor(cluster, cluster.state.dashboard_url)
+    else:  # a driver outside a job joins a loopback-only head in Ray's single-machine mode, as start says
+        done = run_monitor(cluster, cluster.state.gcs_address, **{local_cluster.LOOPBACK_ONLY_VAR: "0"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "no NVIDIA GPU on node" in done.stdout, done.stdout[-3000:]
+    submitted = "submitted `python jobs/monitor.py status`" in done.stderr
+    assert submitted == (form == "dashboard URL"), done.stderr[-3000:]
+
+
+def test_a_driver_without_single_machine_mode_is_told_what_to_set(cluster: Cluster):
+    # Ray would swap 127.0.0.1 for this machine's address, where nothing listens, and retry for minutes.
+    done = run_monitor(cluster, cluster.state.gcs_address)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"listens on 127.0.0.1 only; run this with {local_cluster.LOOPBACK_ONLY_VAR}=0" in done.stdout
+
+
 def test_status_reports_the_running_head_and_a_second_start_is_refused(cluster: Cluster):
     status = cluster.cli("status", "--json")
     assert status.returncode == 0, status.stderr
@@ -114,3 +183,29 @@ def test_stop_ends_every_process_of_the_head(cluster: Cluster):
     assert not local_cluster.processes_marked(marker)
     assert local_cluster.read_state(cluster.state_dir) is None
     assert cluster.cli("status").stdout.startswith("not running")
+
+
+def test_a_missing_token_is_made_private_and_ray_reads_it(tmp_path: Path):
+    env = {"HOME": str(tmp_path / "home"), "PATH": os.environ["PATH"]}
+    path = local_cluster.ensure_private_token(env)
+    assert path == tmp_path / "home" / ".ray" / "auth_token"
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+    assert oct(path.parent.stat().st_mode & 0o777) == oct(0o700)
+    token = path.read_text()
+    assert len(token) == 64 and int(token, 16) >= 0  # 256 random bits in hex, as Ray makes them
+    assert local_cluster.auth_token(env, generate=False) == token  # Ray's own CLI reads it
+    assert local_cluster.ensure_private_token(env) == path and path.read_text() == token  # kept
+
+
+def test_a_world_readable_token_is_made_private_and_kept(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    path = tmp_path / "token"
+    path.write_text("a" * 64)
+    path.chmod(0o644)
+    assert local_cluster.ensure_private_token({"HOME": str(tmp_path), "RAY_AUTH_TOKEN_PATH": str(path)}) == path
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600) and path.read_text() == "a" * 64
+    assert "was readable by others (mode 644)" in caplog.text
+
+
+def test_a_token_given_in_the_environment_needs_no_file(tmp_path: Path):
+    assert local_cluster.ensure_private_token({"HOME": str(tmp_path), "RAY_AUTH_TOKEN": "x" * 64}) is None
+    assert not (tmp_path / ".ray").exists()

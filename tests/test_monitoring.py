@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -264,3 +268,22 @@ def test_a_gpu_process_is_labelled_with_the_ray_actor_living_in_it(ray_cluster: 
         assert lookup(os.getpid()) == ""  # the test process holds no actor
     finally:
         ray.kill(worker)
+
+
+@pytest.mark.slow
+def test_monitor_without_ray_address_starts_an_embedded_ray_with_a_private_token(tmp_path: Path) -> None:
+    """The jobs' embedded Ray (runtime.init_ray): its token is made 0600 before Ray would write it 0644, and
+    Ray's notice that it turned token auth on is gone. The test session's own Ray runs beside it."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    env["HOME"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "jobs" / "monitor.py"), "status"],
+        env=env, cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "no NVIDIA GPU on node" in done.stdout
+    token = tmp_path / ".ray" / "auth_token"
+    assert oct(token.stat().st_mode & 0o777) == oct(0o600) and len(token.read_text()) == 64
+    assert oct(token.parent.stat().st_mode & 0o777) == oct(0o700)
+    assert "Token authentication is enabled" not in done.stderr, done.stderr[-3000:]
+    assert "Generated new authentication token" not in done.stderr

@@ -1,9 +1,11 @@
 """A local Ray head with token authentication, started, inspected and stopped by the project itself.
 
-`start` runs `ray start --head --block` in a process group of its own, with RAY_AUTH_MODE=token and the
-dashboard on 127.0.0.1, and waits until the jobs API accepts the token. `stop` signals that group and then
-ends every process that still carries the cluster's marker variable, so it stops this head only, unlike
-`ray stop`, which stops every Ray on the machine. The state (pid, ports, log) lives in `state_dir`.
+`start` runs `ray start --head --block` in a process group of its own, with RAY_AUTH_MODE=token (the token
+file made 0600), the dashboard on 127.0.0.1 and, unless other machines are to join, every other port (the
+metrics port too, which no token guards) on loopback; it waits until the jobs API accepts the token.
+`stop` signals that group and then ends every process that still carries the cluster's marker variable, so
+it stops this head only, unlike `ray stop`, which stops every Ray on the machine. The state (pid, ports,
+log) lives in `state_dir`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -32,6 +35,12 @@ LOG_FILE = "head.log"
 MARKER_VAR = "GPT2_PLATFORM_CLUSTER"
 # What `ray start --block` prints once everything has started and it waits for a signal.
 BLOCKING_MESSAGE = "will now block forever"
+# Ray's own single-machine mode (the default on macOS and Windows): the node's address is 127.0.0.1, so the
+# GCS, raylet, object manager, agents and the metrics port all listen on loopback, and no other machine can join.
+LOOPBACK_ONLY_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Where Ray reads the token (in this order): the token itself, a file named by a variable, ~/.ray/auth_token.
+TOKEN_VAR = "RAY_AUTH_TOKEN"
+TOKEN_PATH_VAR = "RAY_AUTH_TOKEN_PATH"
 
 
 @dataclass
@@ -75,6 +84,8 @@ class ClusterState:
     state_dir: str
     temp_dir: str | None
     home: str
+    loopback_only: bool = True
+    """Every port on 127.0.0.1 (no other machine can join), or Ray's usual binding on all interfaces."""
 
     @property
     def log_path(self) -> Path:
@@ -119,10 +130,48 @@ def cluster_env(state_dir: Path, base: Mapping[str, str] | None = None) -> dict[
     return env
 
 
+def token_file(env: Mapping[str, str]) -> Path | None:
+    """The file this environment's Ray reads its token from; None when RAY_AUTH_TOKEN holds the token itself."""
+    if env.get(TOKEN_VAR):
+        return None
+    if env.get(TOKEN_PATH_VAR):
+        return Path(env[TOKEN_PATH_VAR]).expanduser()
+    return Path(env.get("HOME") or Path.home()) / ".ray" / "auth_token"
+
+
+def ensure_private_token(env: Mapping[str, str]) -> Path | None:
+    """Make sure the token file of `env` exists and only its owner can read it; returns it (None: no file).
+
+    `ray get-auth-token --generate` and a new local `ray.init()` write the token with the umask's mode (0644
+    under the usual umask: readable by every user of the machine, and anyone holding it can run code on the
+    cluster). So a missing token is made here as Ray makes one (256 random bits, hex), but created 0600 in a
+    0700 directory, and a token readable by others is made private.
+    """
+    path = token_file(env)
+    if path is None:
+        return None
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True)
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            path.chmod(0o600)
+            logger.warning("the Ray token %s was readable by others (mode %o); made it 0600", path, mode)
+        return path
+    with os.fdopen(descriptor, "w") as file:
+        file.write(secrets.token_hex(32))
+    logger.info("made a Ray token in %s (mode 600)", path)
+    return path
+
+
 def auth_token(env: Mapping[str, str], generate: bool = True) -> str:
-    """The token this environment's Ray uses (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), with
-    `generate` made into ~/.ray/auth_token when there is none: `ray start --head` refuses to start without one."""
-    command = [ray_cli(), "get-auth-token", *(["--generate"] if generate else [])]
+    """The token this environment's Ray uses (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), made
+    private, or made when there is none with `generate`: `ray start --head` refuses to start without one."""
+    if generate:
+        ensure_private_token(env)
+    command = [ray_cli(), "get-auth-token"]
     done = subprocess.run(command, env=dict(env), capture_output=True, text=True, timeout=60)
     if done.returncode != 0 or not done.stdout.strip():
         raise RuntimeError(f"`{' '.join(command[1:])}` failed: {done.stderr.strip()}")
@@ -164,8 +213,13 @@ def start(
     temp_dir: Path | None = None,
     env: Mapping[str, str] | None = None,
     timeout_s: float = 120,
+    loopback_only: bool = True,
 ) -> ClusterState:
-    """Start a token-authenticated head whose dashboard listens on 127.0.0.1; return once its jobs API answers."""
+    """Start a token-authenticated head whose dashboard listens on 127.0.0.1; return once its jobs API answers.
+
+    With `loopback_only` every other port listens on 127.0.0.1 as well. Without it, Ray binds them on all
+    interfaces so that other machines can join: the metrics port then answers anyone on the network.
+    """
     state_dir = state_dir.expanduser().resolve()
     previous = read_state(state_dir)
     if is_running(previous):
@@ -173,6 +227,8 @@ def start(
     state_dir.mkdir(parents=True, exist_ok=True)
     ports = ports or ClusterPorts()
     head_env = cluster_env(state_dir, env)
+    if loopback_only:
+        head_env[LOOPBACK_ONLY_VAR] = "0"
     token = auth_token(head_env)
     command = [ray_cli(), "start", "--head", "--block", "--disable-usage-stats", "--dashboard-host=127.0.0.1"]
     command += ports.flags() + ["--include-dashboard=true"]
@@ -186,6 +242,7 @@ def start(
         state_dir=str(state_dir),
         temp_dir=str(temp_dir) if temp_dir is not None else None,
         home=head_env.get("HOME", str(Path.home())),
+        loopback_only=loopback_only,
     )
     with open(state.log_path, "wb") as log:
         process = subprocess.Popen(

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
+import socket
+import sys
+import time
 from pathlib import Path
 
 import ray
 
 import gpt2_platform
+from gpt2_platform.local_cluster import LOOPBACK_ONLY_VAR, ensure_private_token
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +30,137 @@ def package_runtime_env() -> dict:
     return {"py_modules": [str(PACKAGE_DIR)]}
 
 
+def is_dashboard_url(address: str | None) -> bool:
+    """Whether `address` is the dashboard's http(s):// URL: the form `ray job submit` and docs/operating.md
+    use for RAY_ADDRESS, which `ray.init()` cannot connect to (it needs the GCS's host:port)."""
+    return bool(address) and address.split("://", 1)[0] in ("http", "https")
+
+
+def _free_port() -> int:
+    """A port that nothing listens on now, from the kernel's ephemeral range: unlike Ray's 8265, which every
+    other Ray on this machine asks for too, no other start-up is likely to take it before the dashboard binds
+    it (Ray gives up on an explicit dashboard port that is taken)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _DropMessage(logging.Filter):
+    """Drops one logger's records that start with `prefix`."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+# Ray warns on every new local cluster that it turned token auth on (which is what we want, and what the
+# README says); it has no switch for that but RAY_AUTH_MODE, which must be set before Ray is imported.
+_TOKEN_AUTH_NOTICE = _DropMessage("Token authentication is enabled for this Ray cluster")
+
+
+def _prepare_local_cluster() -> dict:
+    """Environment and ray.init() arguments for a new embedded cluster; the environment reaches every worker
+    (the local raylet inherits this process's).
+
+    - Ray 2.60 turns token auth on for a new local cluster and would write the token world-readable: it is
+      made 0600 first, so Ray finds it and writes none.
+    - Ray's state API (which Ray Train's placement-group cleaner polls from a worker) finds its dashboard by
+      looking for running GCS processes, and fails with a traceback when another Ray runs on this machine.
+      Naming the dashboard (on a port chosen here) in RAY_API_SERVER_ADDRESS points it at this cluster.
+    - Ray Train's preemption watcher waits for nodes to be drained, which an embedded one-node cluster never
+      is; Ray logs an error-level line for every run that starts it.
+    """
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() == "token":
+        ensure_private_token(os.environ)
+        notices = logging.getLogger("ray._private.authentication.authentication_token_setup")
+        if _TOKEN_AUTH_NOTICE not in notices.filters:
+            notices.addFilter(_TOKEN_AUTH_NOTICE)
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    port = _free_port()
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    return {"dashboard_host": "127.0.0.1", "dashboard_port": port}
+
+
+def _check_loopback_driver(address: str) -> None:
+    """ValueError if `address` is a GCS that listens on 127.0.0.1 only (`jobs/cluster.py start`) and this
+    process is not in Ray's single-machine mode: Ray would swap 127.0.0.1 for this machine's address, which
+    nothing listens on, and retry for minutes."""
+    from ray._common.network_utils import is_localhost, parse_address
+
+    parsed = parse_address(address)
+    if parsed is None or not is_localhost(parsed[0]) or os.environ.get(LOOPBACK_ONLY_VAR) == "0":
+        return
+    port = int(parsed[1])
+    for host, expected in (("127.0.0.1", True), (ray.util.get_node_ip_address(), False)):
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            answered = True
+        except OSError:
+            answered = False
+        if answered != expected:
+            return
+    raise ValueError(
+        f"the Ray cluster at {address} listens on 127.0.0.1 only; run this with {LOOPBACK_ONLY_VAR}=0 in its "
+        "environment (Ray's single-machine mode, as that cluster runs), or submit it with `ray job submit`"
+    )
+
+
+def _quiet_worker_progress_bars() -> None:
+    """With stdout not a terminal (a job's log, a pipe), Ray Data's bars in workers come to the driver as tqdm
+    redraws, cursor-movement escape codes included; without ray_tqdm they are logged as plain lines, as the
+    driver's own are. A Dataset copies the DataContext when it is created, so this runs before any is."""
+    if "ray.data" in sys.modules and not sys.stdout.isatty():
+        sys.modules["ray.data"].DataContext.get_current().use_ray_tqdm = False
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Connect to RAY_ADDRESS / `address` if set, else start a local Ray; no-op if connected."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
+    if is_dashboard_url(address):
+        raise ValueError(
+            f"RAY_ADDRESS={address} is the dashboard's URL, which `ray job submit` takes; to run this against "
+            "that cluster, submit it as a job (`ray job submit --working-dir . -- python jobs/...`), or give the "
+            "GCS address (host:6379) to connect from a cluster node"
+        )
     kwargs: dict = {"runtime_env": package_runtime_env(), "log_to_driver": True}
-    if address is None and num_cpus is not None:
-        kwargs["num_cpus"] = num_cpus
+    if address is None:
+        # "local", not None: ray.init(None) joins a head that `ray start` recorded in /tmp/ray, which an
+        # embedded run never means to do.
+        address = "local"
+        kwargs.update(_prepare_local_cluster())
+        if num_cpus is not None:
+            kwargs["num_cpus"] = num_cpus
+    else:
+        _check_loopback_driver(address)
     ray.init(address=address, **kwargs)
+    _quiet_worker_progress_bars()
     logger.info("Ray %s: %s", ray.__version__, ray.cluster_resources())
+
+
+def run_as_job(
+    dashboard_url: str, arguments: list[str], working_dir: Path, poll_s: float = 1.0, timeout_s: float = 600
+) -> bool:
+    """Run `python <arguments>` on the cluster behind `dashboard_url` as a Ray job with `working_dir` uploaded,
+    as `ray job submit` would; print its log and return whether it succeeded. Under token auth, RAY_AUTH_MODE
+    must be `token` (the client then sends ~/.ray/auth_token), as for the CLI."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(dashboard_url)
+    entrypoint = shlex.join(["python", *arguments])
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(working_dir)})
+    logger.info("submitted `%s` to %s as job %s", entrypoint, dashboard_url, job_id)
+    deadline = time.monotonic() + timeout_s
+    while not (status := client.get_job_status(job_id)).is_terminal():
+        if time.monotonic() > deadline:
+            client.stop_job(job_id)
+            raise TimeoutError(f"job {job_id} did not finish within {timeout_s:.0f} s; stopped it")
+        time.sleep(poll_s)
+    print(client.get_job_logs(job_id), end="", flush=True)
+    if status != JobStatus.SUCCEEDED:
+        logger.error("job %s ended %s", job_id, status.value)
+    return status == JobStatus.SUCCEEDED

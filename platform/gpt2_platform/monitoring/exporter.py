@@ -115,22 +115,25 @@ class RayActorLookup:
         """(class name, name, id) of the alive actors in process `pid`.
 
         Ray's state API is the public way, but it goes through the dashboard, which a cluster may run
-        without (`--include-dashboard=false`); then the GCS's own actor table answers instead.
+        without (`--include-dashboard=false`); then the GCS's own actor table answers instead. It is given
+        this cluster's GCS: without an address it looks for running GCS processes, and refuses to choose
+        when another Ray runs on the same machine.
         """
         from ray.util.state import list_actors
         from ray.util.state.exception import ServerUnavailable
 
         try:
             actors = list_actors(
+                address=ray.get_runtime_context().gcs_address,
                 filters=[("pid", "=", pid), ("state", "=", "ALIVE")],
                 timeout=self.timeout_s,
                 raise_on_missing_output=False,
             )
             return [(a.class_name, a.name, a.actor_id) for a in actors]
         except ServerUnavailable:
-            import ray._private.state
+            from ray._private import state as gcs_state
 
-            table = ray._private.state.actors().values()
+            table = gcs_state.actors().values()
             return [
                 (a["ActorClassName"], a["Name"], a["ActorID"])
                 for a in table
