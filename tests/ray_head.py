@@ -141,12 +141,16 @@ def _environment(root: Path) -> dict[str, str]:
     return env
 
 
-def start_head(num_cpus: int = 2, object_store_bytes: int = 200_000_000, timeout_s: float = 90) -> RayHead:
-    """Start `ray start --head --block` with token auth on, and wait until its jobs API answers."""
+def start_head(
+    num_cpus: int = 2, object_store_bytes: int = 200_000_000, timeout_s: float = 90, extra_env: dict | None = None
+) -> RayHead:
+    """Start `ray start --head --block` with token auth on, and wait until its jobs API answers.
+
+    `extra_env`: more variables for the head's processes (the node's environment, as `export` before `ray start`)."""
     # Short, because Ray's unix sockets live under it (at most 107 characters).
     root = Path(tempfile.mkdtemp(prefix="rayhead-", dir="/tmp"))
     (root / "home").mkdir()
-    env = _environment(root)
+    env = {**_environment(root), **(extra_env or {})}
     # Skip the drain on SIGTERM: it waits for a GCS that the same group signal is stopping (30 s).
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
     # With RAY_AUTH_MODE=token, `ray start --head` refuses to start without a token; it makes none.

@@ -297,7 +297,7 @@ class GPT2Server:
         # engine_pid: the engine's child process with engine_process, else null (it runs in the replica).
         engine_pid = self.engine.pid if isinstance(self.engine, EngineProcess) else None
         stats = {**self.engine.stats(), "max_batch_size": self.args.max_batch_size, "replica": replica}
-        return JSONResponse({**stats, "engine_pid": engine_pid})
+        return JSONResponse({**stats, "replica_pid": os.getpid(), "engine_pid": engine_pid})
 
     # ---- turning a request into engine work ----------------------------------------------------
     async def _encode(self, text: str, param: str, reserve: int, length_param: str = "max_tokens") -> list[int]:

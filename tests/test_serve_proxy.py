@@ -1,0 +1,154 @@
+"""A real `ray start --head` whose Serve proxy runs our middleware (serve/proxy.py), driven by the
+`serve deploy` CLI as an operator would: what clients get when the replica holding their request
+dies, when a path has no app, and when a config that cannot start is deployed over a running app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+import test_serve
+from ray_head import RayHead, start_head
+from test_serve import _free_port, wait_until
+
+model_dir = test_serve.model_dir  # the fixture: a tiny model trained to write ASCII, with the byte tokenizer
+API_KEY_ENV = "GPT2_PROXY_TEST_KEY"
+HEADERS = {"Authorization": "Bearer key-1"}
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[RayHead]:
+    # As an operator exports it before `ray start`: the proxy reads it when it starts.
+    extra_env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "gpt2_platform.serve.proxy:middlewares"}
+    # The key is in the node's environment, where the replicas (and the app builder) read it.
+    head = start_head(num_cpus=3, extra_env={**extra_env, API_KEY_ENV: "key-1"})
+    yield head
+    left = head.stop()
+    assert not left, f"processes left behind: {left}"
+
+
+def _config(port: int, model_dir: Path, api_key_env: str) -> dict:
+    args = {"model": str(model_dir), "dtype": "fp32", "max_batch_size": 2, "api_key_env": api_key_env}
+    deployment = {"name": "GPT2Server", "ray_actor_options": {"num_cpus": 1}, "health_check_period_s": 1}
+    application = {
+        "name": "gpt2",
+        "route_prefix": "/gpt2",
+        "import_path": "gpt2_platform.serve.app:build_app",
+        "args": args,
+        "deployments": [deployment],
+    }
+    return {"http_options": {"host": "127.0.0.1", "port": port}, "applications": [application]}
+
+
+def serve_deploy(head: RayHead, config: dict, tmp_path: Path) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = _serve_cli(head, "deploy", str(path), "--address", head.dashboard_url)
+    assert done.returncode == 0, done.stdout[-3000:]
+
+
+def _serve_cli(head: RayHead, *args: str):
+    import subprocess
+
+    from ray_head import VENV_BIN
+
+    return subprocess.run(
+        [str(VENV_BIN / "serve"), *args], env=head.client_env(), capture_output=True, text=True, timeout=120
+    )
+
+
+def app_status(head: RayHead) -> dict:
+    """The app's status from the dashboard's Serve API (what `serve status` prints, without its start-up)."""
+    status, body = head.get("/api/serve/applications/", token=head.token)
+    assert status == 200, body
+    return json.loads(body).get("applications", {}).get("gpt2", {})
+
+
+@pytest.fixture(scope="module")
+def url(head: RayHead, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    port = _free_port()
+    serve_deploy(head, _config(port, model_dir, API_KEY_ENV), tmp_path_factory.mktemp("deploy"))
+    base = f"http://127.0.0.1:{port}/gpt2"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{base}/v1/models", headers=HEADERS, timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert wait_until(up, timeout_s=180, interval_s=1), app_status(head)
+    return base
+
+
+def test_a_path_no_app_serves_gets_openai_json_from_the_proxy(url):
+    response = httpx.get(url.rsplit("/gpt2", 1)[0] + "/nowhere", timeout=10)
+    assert response.status_code == 404 and response.headers["content-type"] == "application/json"
+    assert response.json()["error"]["message"]
+
+
+def test_a_killed_replica_ends_its_stream_with_an_error_event_and_serving_resumes(url):
+    long = {"prompt": "a long story", "max_tokens": 240, "ignore_eos": True}
+
+    async def cut() -> tuple[list, httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=60) as session:
+            replica_pid = (await session.get("/v1/engine/stats")).json()["replica_pid"]
+            events: list = []
+            started = asyncio.Event()
+
+            async def stream() -> None:
+                async with session.stream("POST", "/v1/completions", json={**long, "stream": True}) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            payload = line[len("data: ") :]
+                            events.append(payload if payload == "[DONE]" else json.loads(payload))
+                            started.set()
+
+            streaming = asyncio.create_task(stream())
+            collected = asyncio.create_task(session.post("/v1/completions", json=long))
+            await asyncio.wait_for(started.wait(), 30)
+            os.kill(replica_pid, signal.SIGKILL)
+            await streaming
+            return events, await collected
+
+    events, in_flight = asyncio.run(cut())
+    assert events[-1] == "[DONE]", events[-3:]
+    assert events[-2]["error"]["type"] == "server_error" and events[-2]["error"]["code"] == "replica_failed"
+    # The request that had not answered yet: Serve may run it again on the new replica (200), or else
+    # it gets JSON 503 that says when to retry, never a bare 500.
+    assert in_flight.headers["content-type"] == "application/json", in_flight.text
+    if in_flight.status_code != 200:
+        assert in_flight.status_code == 503 and in_flight.json()["error"]["code"] == "replica_failed", in_flight.text
+        assert int(in_flight.headers["Retry-After"]) >= 1
+
+    def served_again() -> bool:
+        response = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=HEADERS, timeout=60
+        )
+        assert response.headers["content-type"] == "application/json", response.text
+        return response.status_code == 200
+
+    assert wait_until(served_again, timeout_s=120, interval_s=1)
+
+
+def test_serve_deploy_of_a_config_whose_key_is_unset_keeps_the_running_app(head, url, model_dir, tmp_path):
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    serve_deploy(head, _config(port, model_dir, "GPT2_PROXY_TEST_UNSET_KEY"), tmp_path)
+    status = wait_until(lambda: (s := app_status(head)).get("status") == "DEPLOY_FAILED" and s, 90, interval_s=1)
+    assert status and "GPT2_PROXY_TEST_UNSET_KEY" in status["message"], app_status(head)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # still served by the replica that was running
+        response = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=HEADERS, timeout=30
+        )
+        assert response.status_code == 200, response.text
+        time.sleep(0.5)
