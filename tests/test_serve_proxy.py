@@ -144,7 +144,9 @@ def test_serve_deploy_of_a_config_whose_key_is_unset_keeps_the_running_app(head,
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     serve_deploy(head, _config(port, model_dir, "GPT2_PROXY_TEST_UNSET_KEY"), tmp_path)
     status = wait_until(lambda: (s := app_status(head)).get("status") == "DEPLOY_FAILED" and s, 90, interval_s=1)
+    # Refused by the app builder (its words), before Serve touched the running replica.
     assert status and "GPT2_PROXY_TEST_UNSET_KEY" in status["message"], app_status(head)
+    assert "where the app is built" in status["message"], status["message"]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:  # still served by the replica that was running
         response = httpx.post(
