@@ -6,8 +6,8 @@ front of it, answers a few things itself, as plain text: 503 when its queue is f
 a cut connection when the replica holding a request dies. This ASGI middleware runs in the proxy
 and turns those into what an OpenAI client can read:
 
-- a plain-text error from Serve becomes `{"error": {...}}` with the same status and headers
-  (Retry-After included);
+- a plain-text error (Serve's own, or Starlette's 500 for an exception in the app) becomes
+  `{"error": {...}}` with the same status and Retry-After;
 - a request whose replica died before answering gets JSON 503 with Retry-After;
 - a stream cut because its replica died ends with an SSE error event in OpenAI's shape and
   `data: [DONE]`, instead of a connection closed mid-body.
@@ -100,12 +100,12 @@ class _Response:
         self._held = None
         text = self._held_body.decode("utf-8", errors="replace").strip() or f"HTTP {status}"
         kind = INVALID_REQUEST if status < 500 else SERVER_ERROR
-        if status == 500:  # Serve's 500 carries the replica's exception text: it helps no client
-            text = _REPLICA_DIED
+        if status == 500:  # an exception in the app (Starlette's "Internal Server Error"): the log has it
+            text = "the server failed while answering this request; the error is in its log"
         keep = [(key, value) for key, value in headers if key.lower() == b"retry-after"]
-        if status in (500, 503) and not keep:
+        if status == 503 and not keep:
             keep = [(b"retry-after", str(RETRY_AFTER_S).encode())]
-        await self._send_json(APIError(503 if status == 500 else status, text, kind), keep)
+        await self._send_json(APIError(status, text, kind), keep)
 
     async def _send_json(self, error: APIError, extra_headers: list[tuple[bytes, bytes]]) -> None:
         body = json.dumps(error.body()).encode()
