@@ -46,9 +46,10 @@ def resolve_precision(requested: str, device: torch.device) -> Precision:
 
 
 def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
-    """Linear warmup to optim.lr over warmup_steps, then cosine decay to min_lr at max_steps.
+    """Linear warmup to optim.lr over warmup_steps, then cosine decay to min_lr at max_steps, and min_lr after.
 
-    `step` counts from 1 (the step about to be taken).
+    `step` counts from 1 (the step about to be taken). `max_steps` is the schedule's length: a resumed
+    run passes the one it started with, whatever its train.max_steps is now.
     """
     if optim.warmup_steps and step <= optim.warmup_steps:
         return optim.lr * step / optim.warmup_steps
