@@ -208,9 +208,12 @@ def test_the_triton_decode_kernels_match_the_models_modules_in_bf16_on_gpu(batch
     prompts = [torch.randint(0, 50257, (int(n),)).tolist() for n in torch.randint(1, 200, (batch,))]
     ours, expected = kernel_step_and_model_step(model, prompts, 256, torch.bfloat16, "cuda")
     ours, logits = ours["logits"].float(), expected["logits"].float()
-    # bf16: the fused kernels round in other places than cuBLAS and torch's layer norm.
-    assert (ours - logits).abs().max() < 0.03 * logits.abs().max()
-    assert (ours.argmax(-1) == logits.argmax(-1)).float().mean() >= 0.9
+    # bf16: the fused kernels round in other places than cuBLAS and torch's layer norm. So a row may pick
+    # another token than the model's modules where two are within that rounding, and only there.
+    tolerance = 0.03 * logits.abs().max()
+    assert (ours - logits).abs().max() < tolerance
+    picked = logits.gather(1, ours.argmax(-1, keepdim=True))[:, 0]
+    assert (picked >= logits.max(-1).values - tolerance).all()
 
 
 def test_an_engine_on_gpu_generates_transformers_greedy_tokens_for_a_transformers_variant(tmp_path):
