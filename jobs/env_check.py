@@ -6,6 +6,8 @@
     python jobs/env_check.py --address auto           # also the cluster's resources and alive nodes
 
 Connects to Ray only when RAY_ADDRESS is set or --address is given; --ray-local starts an embedded one.
+The dashboard's http:// URL that `ray job submit` takes is no address a driver can join: the check then
+says how to run it on the cluster instead, and checks this machine only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
 from gpt2_platform import envcheck  # noqa: E402
-from gpt2_platform.jobs_common import configure_logging  # noqa: E402
+from gpt2_platform.jobs_common import configure_logging, is_dashboard_url  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,13 +38,23 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
 
     address = "local" if args.ray_local else args.address or os.environ.get("RAY_ADDRESS") or None
+    note = None
+    if is_dashboard_url(address):
+        note = (
+            f"{address} is the dashboard's URL, which a driver cannot join: this checks this machine only; "
+            "for the cluster's nodes run `ray job submit --working-dir . -- python jobs/env_check.py --address auto`"
+        )
+        address = None
     report = envcheck.collect(probe_compile=args.compile_check, ray_address=address)
     found = envcheck.problems(report, args.job, args.gpu)
     advice = envcheck.warnings_for(report, args.job, args.gpu)
     if args.json:
+        advice = advice + ([note] if note else [])
         print(json.dumps({**report, "ok": not found, "problems": found, "warnings": advice}, indent=2, default=str))
     else:
         print(envcheck.format_human(report))
+        if note:
+            print(f"note: {note}")
         for line in advice:
             print(f"warning: {line}")
         for line in found:

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Run from a checkout without installing: the package lives in platform/.
 sys.path.insert(0, str(ROOT / "platform"))
 
-from gpt2_platform.jobs_common import run_main  # noqa: E402
+from gpt2_platform.jobs_common import is_dashboard_url, run_main  # noqa: E402
 
 logger = logging.getLogger("monitor")
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         nonlocal succeeded
-        from gpt2_platform.runtime import init_ray, is_dashboard_url, run_as_job
+        from gpt2_platform.runtime import init_ray, run_as_job
 
         address = os.environ.get("RAY_ADDRESS")
         if is_dashboard_url(address):

@@ -101,6 +101,17 @@ def test_cli_json_is_ok_when_no_gpu_is_needed(capsys: pytest.CaptureFixture[str]
     assert payload["nvml"]["driver_version"] == "not available"
 
 
+def test_cli_with_the_dashboard_url_as_ray_address_checks_this_machine_and_says_how_to_check_the_cluster(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/operating.md exports RAY_ADDRESS=http://127.0.0.1:8265 for `ray job submit`; ray.init() refuses it.
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    assert env_check_main(["--for", "serve"]) == 0
+    out = capsys.readouterr().out
+    assert "note: http://127.0.0.1:8265 is the dashboard's URL" in out and "ray job submit" in out
+    assert "error" not in out and "not importable" not in out, out
+
+
 def test_cli_train_on_gpu_fails_here_with_one_line_naming_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     assert env_check_main(["--for", "train", "--gpu"]) == 1
     errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error: ")]

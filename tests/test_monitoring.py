@@ -287,3 +287,16 @@ def test_monitor_without_ray_address_starts_an_embedded_ray_with_a_private_token
     assert oct(token.parent.stat().st_mode & 0o777) == oct(0o700)
     assert "Token authentication is enabled" not in done.stderr, done.stderr[-3000:]
     assert "Generated new authentication token" not in done.stderr
+
+
+def test_monitor_against_a_dashboard_url_that_nothing_answers_says_so_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("RAY_ADDRESS", url)
+    assert _load_main()(["status"]) == 2
+    assert capsys.readouterr().out.startswith(f"error: no Ray dashboard answers at {url}")

@@ -53,6 +53,12 @@ def process_age_s() -> float | None:
         return None
 
 
+def is_dashboard_url(address: str | None) -> bool:
+    """Whether `address` is the dashboard's http(s):// URL: the form `ray job submit` and docs/operating.md
+    use for RAY_ADDRESS, which `ray.init()` cannot join (a driver needs the GCS's host:port)."""
+    return bool(address) and address.split("://", 1)[0] in ("http", "https")
+
+
 def run_main(run: Callable[[], None]) -> int:
     """Run an entry point; user errors print `error: ...` and return 2."""
     configure_logging()

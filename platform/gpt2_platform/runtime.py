@@ -13,6 +13,7 @@ from pathlib import Path
 import ray
 
 import gpt2_platform
+from gpt2_platform.jobs_common import is_dashboard_url
 from gpt2_platform.local_cluster import LOOPBACK_ONLY_VAR, ensure_private_token
 
 logger = logging.getLogger(__name__)
@@ -28,12 +29,6 @@ def package_runtime_env() -> dict:
     merges this with the job's own runtime env (working_dir, env_vars).
     """
     return {"py_modules": [str(PACKAGE_DIR)]}
-
-
-def is_dashboard_url(address: str | None) -> bool:
-    """Whether `address` is the dashboard's http(s):// URL: the form `ray job submit` and docs/operating.md
-    use for RAY_ADDRESS, which `ray.init()` cannot connect to (it needs the GCS's host:port)."""
-    return bool(address) and address.split("://", 1)[0] in ("http", "https")
 
 
 def _free_port() -> int:
@@ -150,7 +145,13 @@ def run_as_job(
     must be `token` (the client then sends ~/.ray/auth_token), as for the CLI."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    client = JobSubmissionClient(dashboard_url)
+    try:
+        client = JobSubmissionClient(dashboard_url)
+    except ConnectionError as error:
+        raise ValueError(
+            f"no Ray dashboard answers at {dashboard_url} ({error}); start the cluster or forward its dashboard "
+            "(`ray dashboard cluster.yaml`), or fix RAY_ADDRESS"
+        ) from error
     entrypoint = shlex.join(["python", *arguments])
     job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(working_dir)})
     logger.info("submitted `%s` to %s as job %s", entrypoint, dashboard_url, job_id)
