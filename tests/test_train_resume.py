@@ -136,6 +136,26 @@ def test_a_max_steps_below_the_run_is_refused(run_copy: Path, corpus: Path) -> N
         fit(tiny_config(corpus, run_copy.parent, *OVERRIDES, "train.max_steps=5"))
 
 
+def test_a_checkpoint_that_fails_to_load_is_passed_over_too(trained: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from gpt2_platform.config import ModelConfig
+    from gpt2_platform.loading import build_model
+    from gpt2_platform.train.loop import read_checkpoint
+
+    run_dir = tmp_path / RUN_NAME
+    for step in (6, 8):
+        shutil.copytree(step_dir(trained, step), step_dir(run_dir, step))
+    # Whole files, but weights of another shape (a checkpoint of another model): only the load can tell.
+    save_file({"transformer.wte.weight": torch.zeros(3, 5)}, step_dir(run_dir, 8) / WEIGHTS_NAME)
+    assert checkpoint_problem(step_dir(run_dir, 8)) is None
+    model = build_model(ModelConfig(preset="tiny"))
+    resume = choose_checkpoint(run_dir, load=lambda d: read_checkpoint(d, model, torch.device("cpu")))
+    assert resume.directory == step_dir(run_dir, 6) and resume.loaded.optimizer["state"]
+    (skipped,) = resume.skipped
+    assert skipped.startswith("checkpoint_step_00000008 cannot be loaded (RuntimeError: Error(s) in loading")
+
+
 def test_a_checkpoint_from_before_schedule_steps_uses_its_saved_max_steps(trained: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / RUN_NAME
     checkpoint = Path(shutil.copytree(step_dir(trained, 4), step_dir(run_dir, 4)))

@@ -130,8 +130,12 @@ def read_checkpoint(directory: Path, model: GPT2, device: torch.device) -> Optim
     return OptimizerStates(optimizer, scaler)
 
 
-def resume_checkpoint(run_dir: Path, model: GPT2, device: torch.device, rank: int) -> Resume[OptimizerStates] | None:
-    """Load the newest whole checkpoint (Ray's latest first) into `model`; the same one on every rank."""
+def resume_checkpoint(
+    run_dir: Path, model: GPT2, device: torch.device, rank: int, expected: str | None
+) -> Resume[OptimizerStates] | None:
+    """Load the newest whole checkpoint (Ray's latest first) into `model`; the same one on every rank.
+    `expected` is the driver's choice: it already warned about what it passed over, so a worker warns only
+    where it chose otherwise (a checkpoint that failed to load, or one written since)."""
     latest = ray.train.get_checkpoint()
     resume = choose_checkpoint(
         run_dir, Path(latest.path) if latest is not None else None, lambda d: read_checkpoint(d, model, device)
@@ -145,7 +149,8 @@ def resume_checkpoint(run_dir: Path, model: GPT2, device: torch.device, rank: in
         )
     if rank == 0 and resume is not None:
         skipped = f"; passed over: {'; '.join(resume.skipped)}" if resume.skipped else ""
-        logger.info("resuming from %s (step %d)%s", resume.directory, resume.step, skipped)
+        level = logging.WARNING if resume.skipped and resume.directory.name != expected else logging.INFO
+        logger.log(level, "resuming from %s (step %d)%s", resume.directory, resume.step, skipped)
     return resume
 
 
@@ -227,7 +232,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     model = build_model(config.model).to(device)
     precision = resolve_precision(tc.precision, device)
-    resume = resume_checkpoint(run_dir, model, device, rank)
+    resume = resume_checkpoint(run_dir, model, device, rank, loop_config.get("resume_from"))
     train_model = parallelize(model, device, tc.compile, tc.gradient_checkpointing)
     step_fn = TrainStep(
         train_model, build_optimizer(model, config.optim, device), precision, device, config.optim.grad_clip

@@ -168,13 +168,13 @@ def fit(config: Config) -> TrainResult:
     validate(config)
     run_dir = run_dir_of(config)
     check_writable(run_dir, config.run.storage_path)
-    check_resume(config, run_dir)
+    resume = check_resume(config, run_dir)
     init_ray()
     with cluster_room(config.scaling):
-        return _train_and_export(config, run_dir)
+        return _train_and_export(config, run_dir, resume)
 
 
-def _train_and_export(config: Config, run_dir: Path) -> TrainResult:
+def _train_and_export(config: Config, run_dir: Path, resume: Resume | None) -> TrainResult:
     """Build the data, run the TorchTrainer, export the final model."""
     exporter.start_if_wanted(config.run.gpu_monitor)
     tc, scaling = config.train, config.scaling
@@ -186,6 +186,7 @@ def _train_and_export(config: Config, run_dir: Path) -> TrainResult:
         train_loop_config={
             "config": config.to_dict(),
             "run_dir": str(run_dir),
+            "resume_from": resume.directory.name if resume is not None else None,
             "num_train_blocks": datasets.num_train_blocks,
             # The same validation blocks every evaluation, shipped with the config (small: at most
             # eval_batches micro-batches per worker), so workers never re-read a dataset for them.
