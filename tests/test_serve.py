@@ -185,6 +185,32 @@ def test_the_builder_refuses_a_missing_model_directory_and_typos_in_args(tmp_pat
         AppArgs.model_validate({"model": "x", "max_batch_sise": 4})
 
 
+def test_on_the_cluster_the_builder_refuses_an_unset_api_key_and_says_where_a_relative_path_resolves(
+    ray_cluster, model_dir, caplog
+):
+    import ray
+
+    from gpt2_platform.serve.app import build_app
+    from gpt2_platform.serve.schemas import AppArgs
+
+    @ray.remote(num_cpus=0)
+    def build(args: dict) -> str:  # where `serve deploy` runs the builder: a task on the cluster
+        try:
+            build_app(AppArgs.model_validate(args))
+        except ValueError as error:
+            return str(error)
+        return "built"
+
+    unset = {"model": str(model_dir), "api_key_env": "GPT2_TEST_UNSET_KEY"}
+    assert "GPT2_TEST_UNSET_KEY" in ray.get(build.remote(unset))
+    message = ray.get(build.remote({"model": "runs/nowhere/model"}))
+    assert "resolved where the app is built" in message and "absolute path" in message, message
+    # In a driver (`serve run module:app`, Python) the builder's environment need not be the
+    # replicas', so an unset key there is only a warning.
+    build_app(AppArgs.model_validate(unset))
+    assert "GPT2_TEST_UNSET_KEY" in caplog.text
+
+
 def test_metric_names_are_ones_prometheus_keeps(ray_cluster):
     from gpt2_platform.serve.metrics import ServeMetrics
 
