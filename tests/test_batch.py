@@ -142,6 +142,7 @@ def test_thousands_of_rows_end_to_end_with_error_rows_counted(reference, prompts
     assert first["seed"] == derive_seed(7, "prompts.parquet:0")
     assert (first["max_tokens"], first["temperature"]) == (MAX_TOKENS, 1.0)
     assert first["model"].endswith("model") and first["run_id"] == summary["run_id"]
+    assert {row["model_sha256"] for row in rows.values()} == {summary["model_sha256"]}
     own = good[3]
     assert (own["seed"], own["max_tokens"], own["temperature"]) == (12345, 3, 0.0)
     assert own["completion_tokens"] <= 3
@@ -235,9 +236,11 @@ def test_killed_run_resumes_with_exactly_one_row_per_id(reference, prompts: Path
     (run_dir,) = staging.iterdir()
     staged = sorted(run_dir.glob("*.parquet"))
     assert not part_files(output), "nothing is committed before a run ends"
-    # A write cut off mid-file, as a kill during write_parquet leaves it.
+    # A file cut off mid-write, as a copy or a full disk can leave one (the actors' own writes are renamed
+    # into place when complete; a kill leaves only a temporary name, which is dropped too).
     data = staged[0].read_bytes()
     (run_dir / "cut-short.parquet").write_bytes(data[: len(data) // 2])
+    (run_dir / f".{staged[0].name}.tmp").write_bytes(data[: len(data) // 3])
 
     summary = run_generation(load(None, overrides(prompts, output, model_dir, "scaling.batch_size=64")))
     rows = read_output(output)
@@ -247,7 +250,7 @@ def test_killed_run_resumes_with_exactly_one_row_per_id(reference, prompts: Path
     assert len({row["run_id"] for row in rows.values()}) == 2
     for row_id, row in rows.items():
         assert (row["completion"], row["error"]) == (expected[row_id]["completion"], expected[row_id]["error"])
-    assert not list(staging.rglob("*.parquet"))
+    assert not [path for path in staging.rglob("*") if path.is_file()], "staged files were left behind"
 
     again = run_generation(load(None, overrides(prompts, output, model_dir, "scaling.batch_size=64")))
     assert again["rows_this_run"] == 0 and again["rows"] == len(expected)

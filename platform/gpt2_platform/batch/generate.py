@@ -192,6 +192,10 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
     num_input_rows = sum(f.num_rows for f in files)
     directory = output_directory(config.output.path)
     model_id = model_identity(model_dir, config.model.tokenizer)
+    # One hash over the hashes of the model's files (config, weights, tokenizer, as the output's
+    # _manifest.json lists them), in the summary and in every row: the same value means the same weights.
+    tokenizer_files = {f"tokenizer/{name}": digest for name, digest in model_id.get("tokenizer_files", {}).items()}
+    model_sha256 = fingerprint.combined({**model_id["model_files"], **tokenizer_files})
     resumed = output_lib.open_output(directory, job_identity(files, config, model_id, moderator))
     run_id = new_run_id()
     with exclusive(directory):
@@ -205,7 +209,22 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
             init_ray()
             num_actors, gpus_per_actor = plan_actors(config)
             wait_for_resources(num_actors, gpus_per_actor, config.scaling)
-            _generate(config, files, directory, run_id, done, num_actors, gpus_per_actor, model, moderator)
+            spec = WorkerSpec(
+                model=model,
+                model_sha256=model_sha256,
+                tokenizer=config.model.tokenizer,
+                engine=asdict(config.engine),
+                device="cuda" if gpus_per_actor > 0 else "cpu",
+                input=config.input,
+                generation=config.generation,
+                run_id=run_id,
+                staging_dir=str(directory / output_lib.STAGING_NAME / run_id),
+                moderator=moderator,
+            )
+            logger.info(
+                "generating %d rows with %d actor(s) into %s", num_input_rows - len(done), num_actors, directory
+            )
+            _generate(config, files, spec, done, num_actors, gpus_per_actor)
             output_lib.commit_staged(directory, done)
         wall_s = time.perf_counter() - started
         stats = output_lib.output_stats(directory, run_id)
@@ -213,14 +232,7 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
             "run_id": run_id,
             "output": str(directory),
             "model": model,
-            # One hash over the hashes of the model's files (its config, weights and tokenizer, as the
-            # output's _manifest.json lists them): the same value means the same weights.
-            "model_sha256": fingerprint.combined(
-                {
-                    **model_id["model_files"],
-                    **{f"tokenizer/{n}": h for n, h in model_id.get("tokenizer_files", {}).items()},
-                }
-            ),
+            "model_sha256": model_sha256,
             "input_rows": num_input_rows,
             **stats,
             # Also in errors and errors_by_kind: a blocked row is an error row.
@@ -245,36 +257,18 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
 def _generate(
     config: GenerateConfig,
     files: list[InputFile],
-    directory: Path,
-    run_id: str,
+    spec: WorkerSpec,
     done: set[str],
     num_actors: int,
     gpus_per_actor: float,
-    model: str,
-    moderator: Moderator | None = None,
 ) -> None:
     import ray
     import ray.data
     from ray.data import ActorPoolStrategy
 
-    staging = directory / output_lib.STAGING_NAME / run_id
-    staging.mkdir(parents=True, exist_ok=True)
-    spec = WorkerSpec(
-        model=model,
-        tokenizer=config.model.tokenizer,
-        engine=asdict(config.engine),
-        device="cuda" if gpus_per_actor > 0 else "cpu",
-        input=config.input,
-        generation=config.generation,
-        run_id=run_id,
-        staging_dir=str(staging),
-        moderator=moderator,
-    )
+    Path(spec.staging_dir).mkdir(parents=True, exist_ok=True)
     derive_ids = not config.input.id_column
     columns = config.input.columns() + ([PATH_COLUMN, ROW_HASH_COLUMN] if derive_ids else [])
-    logger.info(
-        "generating %d rows with %d actor(s) into %s", sum(f.num_rows for f in files) - len(done), num_actors, directory
-    )
     with data_context(config.output.progress_bars):
         dataset = ray.data.read_parquet(
             [f.path for f in files], include_paths=derive_ids, include_row_hash=derive_ids

@@ -30,6 +30,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("finish_reason", pa.string()),
         ("error", pa.string()),
         ("model", pa.string()),
+        ("model_sha256", pa.string()),
         ("seed", pa.int64()),
         ("max_tokens", pa.int64()),
         ("temperature", pa.float64()),

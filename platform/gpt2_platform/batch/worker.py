@@ -39,6 +39,7 @@ class WorkerSpec:
     """Everything an actor needs, sent once at construction."""
 
     model: str
+    model_sha256: str  # generate.model_sha256: the model's files by content, in every row
     tokenizer: str | None
     engine: dict[str, Any]
     device: str
@@ -187,6 +188,7 @@ class GenerateBatch:
             rows["finish_reason"].append(finish_reason(completion.finish_reason if completion else None, error))
             rows["error"].append(error)
             rows["model"].append(spec.model)
+            rows["model_sha256"].append(spec.model_sha256)
             rows["seed"].append(row_values.seed)
             rows["max_tokens"].append(row_values.max_tokens)
             rows["temperature"].append(row_values.temperature)
