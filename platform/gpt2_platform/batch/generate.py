@@ -291,10 +291,11 @@ def _generate(
             num_gpus=gpus_per_actor,
         )
         # The actors write their rows themselves and return only counts, which are streamed here. Why not
-        # write_parquet: it materializes the dataset and then checks Ray's free CPUs again, at a moment when
-        # the finished actors and write tasks still hold theirs, so a run that succeeded ended with "the
-        # Dataset job will hang unless more CPUs are freed up" (wait_for_resources checked what this job
-        # needs before it started). Writing in the actor also needs no extra task per batch.
+        # write_parquet: it runs through materialize(), which checks for any free CPU before the run and
+        # again after it, on the finished blocks. CPUs held at either moment (by the actors of a job that is
+        # going away, or by this job's own actors as they shut down) made Ray print "The Dataset job will
+        # hang unless more CPUs are freed up" on runs that then succeeded. Streaming runs neither check;
+        # wait_for_resources checks what this job needs, before it starts, and says what is missing.
         written = sum(
             pc.sum(batch.column("rows_written")).as_py() or 0
             for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow")
