@@ -71,8 +71,11 @@ def train() -> Path:
 def complete(model_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
     banner("loading the model with transformers and completing a prompt")
+    # Its "Loading weights" bar redraws with carriage returns, which a log or pipe shows as one garbled line.
+    transformers_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
