@@ -80,3 +80,28 @@ def test_the_fingerprint_covers_config_whole_or_sharded_weights_and_tokenizer_fi
     assert without == [n for n in with_tokenizer if n not in ("merges.txt", "tokenizer.json", "vocab.json")]
     hashes = fingerprint.file_hashes(fingerprint.model_files(tmp_path, with_tokenizer=True), tmp_path)
     assert fingerprint.combined(hashes) != fingerprint.combined({**hashes, "vocab.json": "0" * 64})
+
+
+def test_an_actor_refuses_a_model_that_changed_since_the_job_started(tmp_path: Path):
+    """What an actor that Ray restarts mid-job checks before it loads the model from the same path."""
+    from gpt2_platform.batch.config import GenerationConfig, InputConfig
+    from gpt2_platform.batch.worker import WorkerSpec, check_model
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / name).write_text(name)
+    started_with = fingerprint.identity_sha256(fingerprint.model_identity(tmp_path, None))
+    spec = WorkerSpec(
+        model=str(tmp_path),
+        model_sha256=started_with,
+        tokenizer=None,
+        engine={},
+        device="cpu",
+        input=InputConfig(paths=["p.parquet"]),
+        generation=GenerationConfig(),
+        run_id="run",
+        staging_dir=str(tmp_path / "staging"),
+    )
+    check_model(spec)
+    (tmp_path / "model.safetensors").write_text("retrained")
+    with pytest.raises(ValueError, match=f"the model at {tmp_path} is not the one this job started with"):
+        check_model(spec)

@@ -76,7 +76,8 @@ def test_an_unwritable_output_is_one_line_and_exit_2(
 def test_an_output_that_became_unwritable_is_refused_before_resuming(
     prompts: Path, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ):
-    from gpt2_platform.batch.generate import job_identity, model_identity
+    from gpt2_platform.batch.fingerprint import model_identity
+    from gpt2_platform.batch.generate import job_identity
     from gpt2_platform.batch.inputs import find_input_files
     from gpt2_platform.batch.output import open_output
 

@@ -22,6 +22,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -121,3 +122,27 @@ def combined(hashes: dict[str, str]) -> str:
     """One SHA-256 over a set of file hashes (name and hash of each), for a summary line."""
     text = "".join(f"{name}\0{digest}\n" for name, digest in sorted(hashes.items()))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def model_identity(model_dir: Path, tokenizer: str | None) -> dict[str, Any]:
+    """The model by content, not by path: hashes of its config, weights and tokenizer files (py).
+
+    A tokenizer given by name ('byte', a hub name) is recorded by that name; one in a directory by its files.
+    """
+    files = model_files(model_dir, with_tokenizer=tokenizer is None)
+    identity: dict[str, Any] = {"model_files": file_hashes(files, model_dir)}
+    if tokenizer is not None:
+        tokenizer_dir = Path(tokenizer).expanduser()
+        if tokenizer_dir.is_dir():
+            hashes = file_hashes(tokenizer_files(tokenizer_dir), tokenizer_dir)
+            identity["tokenizer_files"] = hashes
+        else:
+            identity["tokenizer"] = tokenizer
+    return identity
+
+
+def identity_sha256(identity: dict[str, Any]) -> str:
+    """One hash over a model_identity's file hashes (as an output's _manifest.json lists them): in a job's
+    summary and in every row, the same value means the same weights, config and tokenizer."""
+    tokenizer = {f"tokenizer/{name}": digest for name, digest in identity.get("tokenizer_files", {}).items()}
+    return combined({**identity["model_files"], **tokenizer})

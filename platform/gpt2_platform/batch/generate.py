@@ -32,30 +32,13 @@ from gpt2_platform.moderation import Moderator, build_moderator
 logger = logging.getLogger(__name__)
 
 
-def model_identity(model_dir: Path, tokenizer: str | None) -> dict[str, Any]:
-    """The model by content, not by path: hashes of its config, weights and tokenizer files (fingerprint.py).
-
-    A tokenizer given by name ('byte', a hub name) is recorded by that name; one in a directory by its files.
-    """
-    files = fingerprint.model_files(model_dir, with_tokenizer=tokenizer is None)
-    identity: dict[str, Any] = {"model_files": fingerprint.file_hashes(files, model_dir)}
-    if tokenizer is not None:
-        tokenizer_dir = Path(tokenizer).expanduser()
-        if tokenizer_dir.is_dir():
-            hashes = fingerprint.file_hashes(fingerprint.tokenizer_files(tokenizer_dir), tokenizer_dir)
-            identity["tokenizer_files"] = hashes
-        else:
-            identity["tokenizer"] = tokenizer
-    return identity
-
-
 def job_identity(
     files: list[InputFile], config: GenerateConfig, model: dict[str, Any], moderator: Moderator | None = None
 ) -> dict[str, Any]:
     """What the output's rows depend on; resuming into an output made under another identity is refused.
 
-    `model` is `model_identity(...)`: the weights themselves, so new weights at the same path are refused
-    and the same weights moved to another path still resume.
+    `model` is `fingerprint.model_identity(...)`: the weights themselves, so new weights at the same path are
+    refused and the same weights moved to another path still resume.
     """
     generation = asdict(config.generation)
     identity = {
@@ -187,15 +170,16 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
         raise InputError(
             f"model.path {config.model.path} holds no {checkpoint.CONFIG_NAME}; point it at a model directory"
         )
-    # A local model by its absolute path: workers (and a job's temporary working dir) may not share our cwd.
+    # A local model (and tokenizer) by its absolute path: workers (and a job's temporary working dir) may not
+    # share our cwd.
     model = str(model_dir.resolve()) if Path(config.model.path).expanduser().is_dir() else config.model.path
+    tokenizer = config.model.tokenizer
+    if tokenizer is not None and Path(tokenizer).expanduser().is_dir():
+        tokenizer = str(Path(tokenizer).expanduser().resolve())
     num_input_rows = sum(f.num_rows for f in files)
     directory = output_directory(config.output.path)
-    model_id = model_identity(model_dir, config.model.tokenizer)
-    # One hash over the hashes of the model's files (config, weights, tokenizer, as the output's
-    # _manifest.json lists them), in the summary and in every row: the same value means the same weights.
-    tokenizer_files = {f"tokenizer/{name}": digest for name, digest in model_id.get("tokenizer_files", {}).items()}
-    model_sha256 = fingerprint.combined({**model_id["model_files"], **tokenizer_files})
+    model_id = fingerprint.model_identity(model_dir, tokenizer)
+    model_sha256 = fingerprint.identity_sha256(model_id)
     resumed = output_lib.open_output(directory, job_identity(files, config, model_id, moderator))
     run_id = new_run_id()
     with exclusive(directory):
@@ -212,7 +196,7 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
             spec = WorkerSpec(
                 model=model,
                 model_sha256=model_sha256,
-                tokenizer=config.model.tokenizer,
+                tokenizer=tokenizer,
                 engine=asdict(config.engine),
                 device="cuda" if gpus_per_actor > 0 else "cpu",
                 input=config.input,

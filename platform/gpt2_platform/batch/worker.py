@@ -12,6 +12,7 @@ from typing import Any
 import pyarrow as pa
 
 from gpt2_platform.batch.config import GenerationConfig, InputConfig
+from gpt2_platform.batch.fingerprint import identity_sha256, model_identity
 from gpt2_platform.batch.output import write_staged
 from gpt2_platform.batch.rows import (
     OUTPUT_SCHEMA,
@@ -70,6 +71,26 @@ def sampling_modes(generation: GenerationConfig, columns: InputConfig) -> tuple[
     return ("greedy", "filtered") if generation.top_k > 0 or generation.top_p < 1.0 else ("greedy", "plain")
 
 
+def check_model(spec: WorkerSpec) -> None:
+    """The model this actor is about to load is the one the driver fingerprinted when the job started.
+
+    Ray Data restarts an actor that died (a node lost hours into a job), and the restarted one loads whatever
+    is at the path by then: rows from new weights would be labelled with the old model_sha256. On the
+    driver's node the hashes come from the cache; elsewhere the actor hashes the files once. A hub name is
+    not checked here (its download is pinned by the hub's revision, not by a path that can change).
+    """
+    directory = Path(spec.model)
+    if not directory.is_dir():
+        return
+    found = identity_sha256(model_identity(directory, spec.tokenizer))
+    if found != spec.model_sha256:
+        raise ValueError(
+            f"the model at {directory} is not the one this job started with (model_sha256 {found[:12]}..., "
+            f"expected {spec.model_sha256[:12]}...): its files changed during the job; run the job again "
+            "(the resume refuses rows of other weights) or restore the model"
+        )
+
+
 class GenerateBatch:
     """map_batches callable class: input rows (pyarrow) -> output rows (OUTPUT_SCHEMA), skipping done ids."""
 
@@ -90,6 +111,7 @@ class GenerateBatch:
         # done_ids is [ObjectRef] (wrapped, so Ray does not resolve it into every constructor call's args).
         self.done: set[str] = set(ray.get(done_ids[0])) if done_ids else set()
         device = torch.device(spec.device)
+        check_model(spec)
         model = load_pretrained(spec.model, device=device).eval()
         loaded = time.perf_counter()
         self.tokenizer = load_tokenizer(spec.tokenizer or spec.model)
