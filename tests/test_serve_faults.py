@@ -108,7 +108,7 @@ def test_a_burst_past_every_limit_gets_json_429s_with_retry_after_never_plain_te
     async def burst() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=400)
         async with httpx.AsyncClient(base_url=engine_process_url, timeout=120, limits=limits) as session:
-            body = {"prompt": "burst", "max_tokens": 30, "ignore_eos": True}
+            body = {"prompt": "burst", "max_tokens": 16, "ignore_eos": True}
             return await asyncio.gather(*(session.post("/v1/completions", json=body) for _ in range(300)))
 
     responses = asyncio.run(burst())
