@@ -95,3 +95,24 @@ def test_submitted_tiny_run_succeeds_and_leaves_a_checkpoint(ray_head: RayHead, 
     assert json.loads((checkpoint / TRAIN_STATE).read_text())["step"] == 6
     model = AutoModelForCausalLM.from_pretrained(run_dir / FINAL_MODEL_DIR)
     assert (model.config.n_layer, model.config.vocab_size) == (2, 257)
+
+    # More workers than the 2-CPU head holds: refused in one line, no Ray Train retrying every 60 s.
+    too_big = [*entrypoint, "--set", "run.name=too-big", "--set", "scaling.num_workers=8"]
+    refused = ray_head.ray(
+        "job", "submit", "--address", ray_head.dashboard_url, "--working-dir", str(REPO_ROOT), "--", *too_big,
+        cwd=REPO_ROOT, timeout_s=240,
+    )  # fmt: skip
+    assert refused.returncode != 0, f"returncode {refused.returncode}:\n{tail(refused.stdout)}"
+    # The CLI prints the job's log, then the same log again in the status message.
+    errors = {line for line in refused.stdout.splitlines() if line.startswith("error: ")}
+    assert errors == {
+        "error: scaling.num_workers=8 workers of {CPU: 1} do not fit the cluster: its 1 node(s) have 2 CPU, room for "
+        "2 worker(s); lower scaling.num_workers or the resources per worker, or add nodes"
+    }, tail(refused.stdout)
+    assert "failed with exit code 2" in refused.stdout, tail(refused.stdout)
+    assert "Traceback" not in refused.stdout, tail(refused.stdout)
+    status, body = ray_head.get("/api/v0/actors?limit=1000", token=ray_head.token)
+    assert status == 200, body
+    alive = [a for a in json.loads(body)["data"]["result"]["result"] if a["state"] == "ALIVE"]
+    assert not [a["class_name"] for a in alive if "Train" in a["class_name"]], "no training actor left behind"
+    assert not (storage / "too-big").exists()
