@@ -236,3 +236,26 @@ def test_a_head_that_contradicts_tie_word_embeddings_is_refused(tmp_path):
     edit_config(tied, tie_word_embeddings=False)  # config says untied, the file has no head
     with pytest.raises(ValueError, match="tie_word_embeddings is false, but the weights hold no lm_head.weight"):
         checkpoint.load_pretrained(str(tied))
+
+
+def test_serving_and_batch_refuse_such_a_checkpoint_before_anything_starts(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gpt2_platform.serve.app import gpt2_deployment
+    from test_batch import generate_main
+
+    model = tmp_path / "model"
+    save_transformers_model(model, {})
+    byte_tokenizer().save_pretrained(model)
+    edit_config(model, activation_function="quick_gelu")
+    message = "activation_function='quick_gelu' is not implemented"
+    with pytest.raises(ValueError, match=message):  # the app builder: Serve never sees a deployment
+        gpt2_deployment({"model": str(model)})
+    prompts = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": ["alice has"]}), prompts)
+    code = generate_main(["--input", str(prompts), "--output", str(tmp_path / "out"), "--model", str(model)])
+    out = capsys.readouterr().out
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and message in errors[0] and "Traceback" not in out, out
+    assert not (tmp_path / "out").exists()

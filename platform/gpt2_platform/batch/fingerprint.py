@@ -24,10 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from gpt2_platform.checkpoint import CONFIG_NAME, WEIGHTS_INDEX_NAME
+
 logger = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"  # transformers' name for a sharded checkpoint's index
 TOKENIZER_NAMES = (
     "tokenizer.json",
     "tokenizer_config.json",

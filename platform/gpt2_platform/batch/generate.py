@@ -170,6 +170,7 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
         raise InputError(
             f"model.path {config.model.path} holds no {checkpoint.CONFIG_NAME}; point it at a model directory"
         )
+    checkpoint.read_config(model_dir)  # a variant the model does not implement stops the job before Ray starts
     # A local model (and tokenizer) by its absolute path: workers (and a job's temporary working dir) may not
     # share our cwd.
     model = str(model_dir.resolve()) if Path(config.model.path).expanduser().is_dir() else config.model.path

@@ -554,11 +554,21 @@ def gpt2_deployment(args: schemas.AppArgs | dict[str, Any], **options: Any) -> A
     # The served name defaults to the model as the user wrote it, not to the resolved path.
     update = {"model": _local_path(args.model, "model"), "tokenizer": tokenizer, "served_model_name": args.model_name}
     args = args.model_copy(update=update)
+    _check_checkpoint(args.model)
     options.setdefault("max_ongoing_requests", default_max_ongoing_requests(args))
     options.setdefault("user_config", args.limits.model_dump())
     # Read the blocklist and import the callable here, once: a mistake stops `serve run` before any replica starts.
     moderator = build_moderator(args.moderation)
     return GPT2Server.options(**options).bind(args, moderator)
+
+
+def _check_checkpoint(model: str) -> None:
+    """Refuse, in the builder, a local checkpoint whose config.json this model cannot honour: before Serve
+    touches a running deployment, rather than in each replica that would fail to start. (A hub name is
+    checked by the replica that downloads it.)"""
+    directory = Path(model)
+    if (directory / checkpoint.CONFIG_NAME).is_file():
+        checkpoint.read_config(directory)
 
 
 def build_app(args: schemas.AppArgs) -> Application:
