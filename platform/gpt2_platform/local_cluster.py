@@ -125,6 +125,8 @@ def cluster_env(state_dir: Path, base: Mapping[str, str] | None = None) -> dict[
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         # Skip the drain on SIGTERM: it waits for a GCS that the same group signal is stopping (30 s).
         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+        # Serve's proxy answers its own errors (queue full, a dead replica) in OpenAI's JSON: serve/proxy.py.
+        RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH="gpt2_platform.serve.proxy:middlewares",
         **{MARKER_VAR: str(state_dir)},
     )
     return env
