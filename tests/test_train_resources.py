@@ -43,10 +43,14 @@ def test_the_local_cluster_counts_as_fixed_and_ray_up_types_as_autoscaled(ray_cl
 
     from gpt2_platform.train.resources import _v1_autoscaler_running, autoscaled_node_types
 
-    deadline = time.monotonic() + 60  # the monitor writes its first report a few seconds after start
-    while not _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS) and time.monotonic() < deadline:
+    def report() -> dict:
+        raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+        return json.loads(raw) if raw else {}
+
+    # The monitor writes a report every few seconds; its first ones may come before the autoscaler's part.
+    deadline = time.monotonic() + 60
+    while "autoscaler_report" not in (local := report()) and time.monotonic() < deadline:
         time.sleep(0.5)
-    local = json.loads(_internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS))
     node_id = ray.get_runtime_context().get_node_id()
     assert local["autoscaler_report"]["node_type_mapping"] == {node_id: f"node_{node_id}"}
     assert autoscaled_node_types(local) == set() and not _v1_autoscaler_running()
