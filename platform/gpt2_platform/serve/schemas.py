@@ -237,15 +237,19 @@ async def read_json(request: Request, schema: type[Schema], limits: ServeLimits)
     if declared is not None and int(declared) > max_body_bytes:
         raise too_large
     body = bytearray()
+
+    async def receive() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > max_body_bytes:
+                raise too_large
+
     try:
         # One deadline for the whole body, not per chunk: a client sending a byte every few seconds
-        # would otherwise hold its request slot for as long as it likes.
-        async with asyncio.timeout(limits.body_timeout_s):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > max_body_bytes:
-                    raise too_large
-    except TimeoutError:
+        # would otherwise hold its request slot for as long as it likes. (wait_for, not asyncio.timeout,
+        # which Python 3.10 lacks.)
+        await asyncio.wait_for(receive(), limits.body_timeout_s)
+    except (TimeoutError, asyncio.TimeoutError):
         received = f"{len(body)} of {declared} bytes" if declared is not None else f"{len(body)} bytes"
         raise errors.request_timeout(
             f"the request body did not arrive within {limits.body_timeout_s:g} s ({received} received); "
