@@ -105,13 +105,14 @@ def test_random_bytes_as_text_exit_2_naming_file_and_offset(capsys, storage: Pat
     assert_user_error(code, capsys, storage, str(noise), "is not UTF-8 text", "byte offset 23", "data.paths")
 
 
-def test_unwritable_storage_path_exits_2_before_ray_starts(capsys, tmp_path: Path) -> None:
+def test_unwritable_storage_path_exits_2_before_ray_starts(capsys, tmp_path: Path, corpus: Path) -> None:
+    data = f"data.paths=[{corpus}]"  # the recipe's own data/demo corpus exists only after `make demo`
     # /sys refuses new entries even to root, for whom permission bits (chmod 0o555) do not count.
-    code = run_cli(Path("/sys/gpt2-runs"))
+    code = run_cli(Path("/sys/gpt2-runs"), data)
     assert_user_error(code, capsys, Path("/sys/gpt2-runs"), "run.storage_path=/sys/gpt2-runs is not writable", "/sys")
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
-    code = run_cli(a_file / "runs")
+    code = run_cli(a_file / "runs", data)
     assert_user_error(code, capsys, a_file / "runs", f"{a_file} is a file", "run.storage_path=")
 
 
