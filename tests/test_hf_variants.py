@@ -136,39 +136,42 @@ def transformers_greedy_tokens(reference: torch.nn.Module, prompts: list[list[in
     return expected
 
 
-def engine_for(directory: Path, decode_kernels: str, num_prompts: int) -> Engine:
-    config = EngineConfig(max_batch_size=num_prompts, max_seq_len=64, dtype="fp32", decode_kernels=decode_kernels)
+def engine_for(directory: Path, num_prompts: int) -> Engine:
+    # On the model's modules: the engine on our kernels is checked for a variant on a GPU
+    # (tests/test_gpu.py); in Triton's interpreter it takes a minute, and the kernels' step is checked below.
+    config = EngineConfig(max_batch_size=num_prompts, max_seq_len=64, dtype="fp32", decode_kernels="torch")
     return Engine(checkpoint.load_pretrained(str(directory)), byte_tokenizer(), config).start(warmup=False)
 
 
 def test_the_engine_generates_transformers_greedy_tokens_for_its_checkpoint(variant):
     _, reference, directory = variant
     prompts = [byte_tokenizer()(p)["input_ids"] for p in PROMPTS]
-    ours = greedy_tokens(engine_for(directory, "torch", len(prompts)), prompts)
+    ours = greedy_tokens(engine_for(directory, len(prompts)), prompts)
     assert ours == transformers_greedy_tokens(reference, prompts)
 
 
 triton_only = pytest.mark.skipif(not kernels.available(), reason="triton is not installed (pip install -e '.[dev]')")
 
 
+# Each kernel code path a variant reaches, once (Triton's interpreter is slow): the activations in our GEMV
+# kernel (batch 1) and after the cuBLAS GEMM (batch 5); the attention scale and the layer norms' epsilon
+# in both kinds of layer; the untied head and n_inner within everything-at-once. The default variant's
+# step is tests/test_kernels.py's.
+KERNEL_CASES = [
+    *((name, batch) for name in ("relu", "exact-gelu", "silu", "everything-at-once") for batch in (1, 5)),
+    ("unscaled-attention", 1),
+    ("layer-norm-epsilon", 5),
+]
+
+
 @triton_only
-@pytest.mark.parametrize("batch", [1, 5], ids=["gemv", "cublas-around-our-attention"])
-def test_our_decode_kernels_step_is_the_models_step_for_its_checkpoint(variant, batch):
+@pytest.mark.parametrize("name, batch", KERNEL_CASES, ids=[f"{name}-batch-{batch}" for name, batch in KERNEL_CASES])
+def test_our_decode_kernels_step_is_the_models_step_for_a_variant(tmp_path, name, batch):
     # The model's step equals transformers' (above); the kernels' step must equal the model's.
-    _, _, directory = variant
+    save_transformers_model(tmp_path, VARIANTS[name][0])
     prompts = [byte_tokenizer()(p)["input_ids"] for p in PROMPTS][:batch]
-    ours, expected = kernel_step_and_model_step(checkpoint.load_pretrained(str(directory)).eval(), prompts, 64)
+    ours, expected = kernel_step_and_model_step(checkpoint.load_pretrained(str(tmp_path)).eval(), prompts, 64)
     torch.testing.assert_close(ours["logits"], expected["logits"], rtol=1e-5, atol=1e-5)
-
-
-@triton_only
-def test_an_engine_on_our_kernels_generates_transformers_greedy_tokens_for_a_variant(tmp_path):
-    # Slow in Triton's interpreter, so one checkpoint with every implemented field changed at once.
-    reference = save_transformers_model(tmp_path, VARIANTS["everything-at-once"][0])
-    prompts = [byte_tokenizer()(p)["input_ids"] for p in PROMPTS]
-    engine = engine_for(tmp_path, "triton", len(prompts))
-    assert engine.runner.decoder is not None
-    assert greedy_tokens(engine, prompts) == transformers_greedy_tokens(reference, prompts)
 
 
 def test_our_save_of_a_variant_loads_in_transformers_with_the_same_logits(tmp_path):
