@@ -68,9 +68,10 @@ def _engine_failed(event: Event) -> APIError:
     )
 
 
-# Prompts up to this size tokenize on the event loop: that takes tens of microseconds, less than the hop
-# to the tokenizer's thread and back, and every request pays the hop in the one process that serves them
-# all. Larger ones go to the thread, so a long prompt never stalls the loop.
+# Prompts up to this size tokenize on the event loop: their tokenizing is small next to the rest of a
+# request's work there, and a hop to the tokenizer's thread and back would add to every request in the one
+# process that serves them all. Larger ones go to the thread, so a long prompt never stalls the loop. (No
+# run has timed the hop on its own: docs/benchmarks.md, session 9.)
 _INLINE_TOKENIZE_BYTES = 4096
 
 
