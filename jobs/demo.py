@@ -92,6 +92,7 @@ def serve_and_query(model_dir: Path) -> None:
     import httpx
     from ray import serve
 
+    from gpt2_platform.engine.config import EngineConfig
     from gpt2_platform.serve.app import build_app
     from gpt2_platform.serve.schemas import AppArgs
 
@@ -103,7 +104,8 @@ def serve_and_query(model_dir: Path) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         start = time.perf_counter()
-        args = AppArgs(model=str(model_dir), served_model_name="demo-tiny", max_batch_size=8, max_seq_len=256)
+        engine = EngineConfig(max_batch_size=8, max_seq_len=256)
+        args = AppArgs(model=str(model_dir), served_model_name="demo-tiny", engine=engine)
         serve.run(build_app(args), name="demo", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         print(f"app ready at {url} in {time.perf_counter() - start:.1f} s (engine warmed before it reported healthy)")

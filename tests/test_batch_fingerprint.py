@@ -86,6 +86,7 @@ def test_an_actor_refuses_a_model_that_changed_since_the_job_started(tmp_path: P
     """What an actor that Ray restarts mid-job checks before it loads the model from the same path."""
     from gpt2_platform.batch.config import GenerationConfig, InputConfig
     from gpt2_platform.batch.worker import WorkerSpec, check_model
+    from gpt2_platform.engine.config import EngineConfig
 
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         (tmp_path / name).write_text(name)
@@ -94,7 +95,7 @@ def test_an_actor_refuses_a_model_that_changed_since_the_job_started(tmp_path: P
         model=str(tmp_path),
         model_sha256=started_with,
         tokenizer=None,
-        engine={},
+        engine=EngineConfig(),
         device="cpu",
         input=InputConfig(paths=["p.parquet"]),
         generation=GenerationConfig(),

@@ -180,10 +180,13 @@ def test_inconsistent_autoscaling_is_refused(autoscaling: dict[str, Any], match:
 @pytest.mark.parametrize(
     "args, match",
     [
-        ({"max_batch_size": 0}, r"args: max_batch_size: Input should be greater than or equal to 1"),
+        ({"engine": {"max_batch_size": 0}}, r"args: engine: args\.engine\.max_batch_size must be >= 1, got 0"),
+        ({"engine": {"dtype": "fp8"}}, r"args: engine: args\.engine\.dtype: Input should be 'auto'"),
+        ({"max_batch_size": 8}, r"args\.max_batch_size moved under `engine:`"),
+        ({"engine_process": True}, r"args\.engine_process is gone: the engine now always runs in its own deployment"),
         ({"max_batch_sise": 8}, r"args: max_batch_sise: Extra inputs are not permitted"),
         ({"api_key_env": None}, r"args\.api_key_env: Serve listens on '0\.0\.0\.0'"),
-        ({"max_batch_size": 1024}, r"max_ongoing_requests: 1024 must exceed args\.max_batch_size"),
+        ({"engine": {"max_batch_size": 1024}}, r"max_ongoing_requests: 1024 must exceed args\.engine\.max_batch_size"),
     ],
 )
 def test_bad_app_args_are_refused(args: dict[str, Any], match: str):

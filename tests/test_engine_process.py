@@ -235,13 +235,16 @@ def base_url(ray_cluster, model_dir: Path) -> Iterator[str]:
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        args = {"model": str(model_dir), "dtype": "fp32", "max_batch_size": 4, "engine_process": True}
+        args = {"model": str(model_dir), "engine": {"dtype": "fp32", "max_batch_size": 4}}
         serve.run(gpt2_deployment(args, ray_actor_options={"num_cpus": 1}), name="engine-process", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
 
 
+# TODO: Serve no longer runs the engine in a child process (args.engine_process is retired); this
+# comes back against the engine deployment that Serve is being split into.
+@pytest.mark.skip(reason="args.engine_process is retired; returns with the engine deployment")
 def test_serve_with_engine_process_completes_and_streams(base_url):
     request = {"prompt": "carol has 4 pens.", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     with httpx.Client(base_url=base_url, timeout=60) as client:

@@ -233,11 +233,12 @@ def test_compiled_fullgraph_matches_eager() -> None:
     ("field", "value"),
     [
         ("temperature", -0.1),
-        ("temperature", 100.5),
+        ("temperature", 2.01),
         ("temperature", float("nan")),
         ("temperature", float("inf")),
         ("top_k", -1),
         ("top_k", 2.5),
+        ("top_k", 2**31),
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_p", float("nan")),
@@ -251,7 +252,10 @@ def test_sampling_params_errors_name_the_field(field: str, value: object) -> Non
 
 
 def test_sampling_params_accept_their_edges() -> None:
-    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=100.0, top_k=1, top_p=1.0, seed=0)):
+    for params in (
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, top_k=2**31 - 1, top_p=1.0, seed=2**63 - 1),
+    ):
         params.validate()
 
 

@@ -84,8 +84,7 @@ def _main_args(model_dir: Path) -> dict:
     return {
         "model": str(model_dir),
         "served_model_name": MODEL_NAME,
-        "dtype": "fp32",
-        "max_batch_size": 4,
+        "engine": {"dtype": "fp32", "max_batch_size": 4},
         "api_key_env": API_KEY_ENV,
         "limits": LIMITS,
     }
@@ -167,8 +166,8 @@ def test_the_yaml_is_a_valid_serve_config_whose_args_validate():
     args = AppArgs.model_validate(application.args)
     (deployment,) = application.deployments
     assert deployment.name == app_module.GPT2Server.name
-    assert deployment.max_ongoing_requests >= 2 * args.max_batch_size
-    assert deployment.max_ongoing_requests >= args.max_batch_size + args.limits.max_waiting
+    assert deployment.max_ongoing_requests >= 2 * args.engine.max_batch_size
+    assert deployment.max_ongoing_requests >= args.engine.max_batch_size + args.limits.max_waiting
     assert deployment.autoscaling_config["min_replicas"] >= 1
     assert deployment.ray_actor_options.num_gpus == 0  # the local config runs on CPU
 
@@ -325,6 +324,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ({"prompt": "x", "top_k": -1}, 400, "top_k"),
     ({"prompt": "x", "top_k": 2**70}, 400, "top_k"),  # would overflow the engine's int64 tensors
+    ({"prompt": "x", "top_k": 2**31}, 400, "top_k"),  # past the engine's MAX_TOP_K
     ({"prompt": "a\ud800b"}, 400, "prompt"),  # a lone surrogate: valid JSON, not text
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "n": 5}, 400, "n"),
@@ -654,8 +654,7 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(base_url, mo
     # gpu_monitor: the replicas start the GPU exporters themselves (here they report "no GPU").
     args = {
         "model": str(model_dir),
-        "dtype": "fp32",
-        "max_batch_size": 2,
+        "engine": {"dtype": "fp32", "max_batch_size": 2},
         "limits": {"max_waiting": 8},
         "gpu_monitor": True,
     }

@@ -41,7 +41,7 @@ def engine_process_url(serve_port, model_dir) -> Iterator[str]:
 
     from gpt2_platform.serve.app import gpt2_deployment
 
-    args = {"model": str(model_dir), "dtype": "fp32", "max_batch_size": 4, "engine_process": True}
+    args = {"model": str(model_dir), "engine": {"dtype": "fp32", "max_batch_size": 4}}
     # A fast health check, so Serve replaces the replica whose engine died within seconds.
     app = gpt2_deployment(args, ray_actor_options={"num_cpus": 1}, health_check_period_s=1)
     serve.run(app, name="faults", route_prefix="/")
@@ -54,6 +54,9 @@ def assert_unavailable(response: httpx.Response) -> None:
     assert response.json()["error"]["type"] == "server_error" and int(response.headers["Retry-After"]) >= 1
 
 
+# TODO: killing the engine needs it in a process of its own; args.engine_process is retired, and this
+# comes back against the engine deployment that Serve is being split into.
+@pytest.mark.skip(reason="args.engine_process is retired; returns with the engine deployment")
 def test_a_dead_engine_ends_streams_with_an_error_event_and_requests_get_503_until_replaced(engine_process_url):
     long = {"prompt": "a long story", "max_tokens": 200, "ignore_eos": True}
 

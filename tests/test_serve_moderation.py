@@ -47,8 +47,7 @@ def base_url(ray_cluster, model_dir: Path) -> Iterator[str]:
         args = {
             "model": str(model_dir),
             "served_model_name": MODEL_NAME,
-            "dtype": "fp32",
-            "max_batch_size": 4,
+            "engine": {"dtype": "fp32", "max_batch_size": 4},
             "moderation": MODERATION,
         }
         serve.run(gpt2_deployment(args, ray_actor_options={"num_cpus": 1}), name=APP, route_prefix="/")

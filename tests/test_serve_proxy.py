@@ -38,7 +38,7 @@ def head() -> Iterator[RayHead]:
 
 
 def _config(port: int, model_dir: Path, api_key_env: str) -> dict:
-    args = {"model": str(model_dir), "dtype": "fp32", "max_batch_size": 2, "api_key_env": api_key_env}
+    args = {"model": str(model_dir), "engine": {"dtype": "fp32", "max_batch_size": 2}, "api_key_env": api_key_env}
     deployment = {"name": "GPT2Server", "ray_actor_options": {"num_cpus": 1}, "health_check_period_s": 1}
     application = {
         "name": "gpt2",

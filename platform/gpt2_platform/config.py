@@ -305,7 +305,12 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
             kwargs[name] = _build(annotation, value or {}, path)
         else:
             kwargs[name] = _coerce(value, annotation, path)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as error:  # a dataclass from outside the config modules (the engine's) names its own field
+        raise ConfigError(str(error)) from error
 
 
 def _apply_override(tree: dict[str, Any], assignment: str) -> None:

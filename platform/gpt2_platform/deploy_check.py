@@ -231,12 +231,12 @@ def _check_deployment(deployment: dict[str, Any], field: str, source: str, args:
                 f"{max_ongoing} is below autoscaling target_ongoing_requests {bounds.target_ongoing_requests}: "
                 "the target could never be reached; raise max_ongoing_requests",
             )
-    if args is not None and max_ongoing <= args.max_batch_size + args.limits.max_waiting:
+    if args is not None and max_ongoing <= args.engine.max_batch_size + args.limits.max_waiting:
         raise DeployConfigError(
             source,
             f"{field}.max_ongoing_requests",
-            f"{max_ongoing} must exceed args.max_batch_size + args.limits.max_waiting "
-            f"({args.max_batch_size + args.limits.max_waiting}), so an overloaded replica answers 429 itself",
+            f"{max_ongoing} must exceed args.engine.max_batch_size + args.limits.max_waiting "
+            f"({args.engine.max_batch_size + args.limits.max_waiting}), so an overloaded replica answers 429 itself",
         )
 
 

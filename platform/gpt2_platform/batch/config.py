@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gpt2_platform.config import ConfigError, build, load_tree
+from gpt2_platform.engine.config import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, EngineConfig
 from gpt2_platform.moderation import ModerationConfig
 
 LongPrompts = Literal["reject", "truncate"]
-Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 
 
 @dataclass
@@ -79,7 +79,7 @@ class GenerationConfig:
     max_tokens: int = 32
     """Tokens to generate per row, unless the row's max_tokens column says otherwise."""
     temperature: float = 1.0
-    """Sampling temperature in [0, 100] (0 = greedy), unless the row's temperature column says otherwise."""
+    """Sampling temperature in [0, 2] (0 = greedy), unless the row's temperature column says otherwise."""
     top_k: int = 0
     """Sample among the k most likely tokens; 0 = no limit."""
     top_p: float = 1.0
@@ -96,38 +96,16 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ConfigError(f"generation.max_tokens must be >= 1, got {self.max_tokens}")
-        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
-            raise ConfigError(f"generation.temperature must be in [0, 100], got {self.temperature}")
-        if not 0 <= self.top_k < 2**31:
-            raise ConfigError(f"generation.top_k must be in [0, 2**31), got {self.top_k}")
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ConfigError(f"generation.temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ConfigError(f"generation.top_k must be in [0, 2**31 - 1], got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"generation.top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.seed < 2**63:
-            raise ConfigError(f"generation.seed must be in [0, 2**63), got {self.seed}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"generation.seed must be in [0, 2**63 - 1], got {self.seed}")
         if any(not s for s in self.stop):
             raise ConfigError("generation.stop must not hold empty strings")
-
-
-@dataclass
-class EngineConfig:
-    max_batch_size: int = 32
-    """Sequences each engine decodes together."""
-    max_seq_len: int | None = None
-    """Prompt plus completion tokens per sequence; null: the model's context."""
-    dtype: Dtype = "auto"
-    """auto (bf16 on a GPU that has it, else fp32), bf16, fp16 or fp32."""
-    cuda_graphs: bool = True
-    """Replay decode steps as CUDA graphs (GPU only)."""
-    compile: bool = False
-    """torch.compile the decode step."""
-    decode_kernels: Literal["auto", "triton", "torch"] = "auto"
-    """The decode step's model part: our Triton kernels, the model's torch modules, or auto (Triton on GPUs)."""
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ConfigError(f"engine.max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ConfigError(f"engine.max_seq_len must be >= 2 or null, got {self.max_seq_len}")
 
 
 @dataclass
@@ -173,6 +151,7 @@ class GenerateConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    """The engine's settings: the dataclass Serve's `args.engine` takes (gpt2_platform.engine.config)."""
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     moderation: ModerationConfig = field(default_factory=ModerationConfig)
     """Content checks of prompts and completions (gpt2_platform.moderation); blocked rows get an error."""

@@ -198,7 +198,7 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
                 model=model,
                 model_sha256=model_sha256,
                 tokenizer=tokenizer,
-                engine=asdict(config.engine),
+                engine=config.engine,
                 device="cuda" if gpus_per_actor > 0 else "cpu",
                 input=config.input,
                 generation=config.generation,

@@ -16,6 +16,7 @@ from numbers import Integral, Real
 import pyarrow as pa
 
 from gpt2_platform.batch.config import GenerationConfig
+from gpt2_platform.engine.config import MAX_SEED, MAX_TEMPERATURE
 from gpt2_platform.engine.engine import GenerationParams
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.moderation import CONTENT_FILTER, Verdict
@@ -121,16 +122,16 @@ def resolve_values(
     if temperature is not None:
         values.temperature = None
         if isinstance(temperature, bool) or not isinstance(temperature, Real) or not math.isfinite(temperature):
-            return values, RowError("bad_temperature", f"temperature must be a number in [0, 100], got {temperature!r}")
-        if not 0.0 <= float(temperature) <= 100.0:
-            return values, RowError(
-                "bad_temperature", f"temperature must be in [0, 100] (0 = greedy), got {temperature}"
-            )
+            message = f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}"
+            return values, RowError("bad_temperature", message)
+        if not 0.0 <= float(temperature) <= MAX_TEMPERATURE:
+            message = f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {temperature}"
+            return values, RowError("bad_temperature", message)
         values.temperature = float(temperature)
     if seed is None:
         values.seed = derive_seed(defaults.seed, row_id)
-    elif isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed < 2**63:
-        return values, RowError("bad_seed", f"seed must be an integer in [0, 2**63), got {seed!r}")
+    elif isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed <= MAX_SEED:
+        return values, RowError("bad_seed", f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
     else:
         values.seed = int(seed)
     return values, None

@@ -7,7 +7,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 
@@ -25,6 +24,7 @@ from gpt2_platform.batch.rows import (
     finish_reason,
     resolve_values,
 )
+from gpt2_platform.engine.config import EngineConfig
 from gpt2_platform.moderation import Moderator
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class WorkerSpec:
     model: str
     model_sha256: str  # generate.model_sha256: the model's files by content, in every row
     tokenizer: str | None
-    engine: dict[str, Any]
+    engine: EngineConfig
     device: str
     input: InputConfig
     generation: GenerationConfig
@@ -100,7 +100,7 @@ class GenerateBatch:
         import torch
 
         from gpt2_platform.checkpoint import load_pretrained
-        from gpt2_platform.engine.engine import Engine, EngineConfig
+        from gpt2_platform.engine.engine import Engine
         from gpt2_platform.jobs_common import configure_worker_logging, process_age_s
         from gpt2_platform.tokenizer import load_tokenizer
 
@@ -118,7 +118,7 @@ class GenerateBatch:
         self.tokenizer.model_max_length = int(1e12)  # prompts are checked against the context here, not there
         # Ray Data may run several batches at once on this actor's threads (scaling.concurrent_batches_per_actor).
         self.tokenizer_lock = threading.Lock()
-        self.engine = Engine(model, self.tokenizer, EngineConfig(**spec.engine), device=device)
+        self.engine = Engine(model, self.tokenizer, spec.engine, device=device)
         built = time.perf_counter()
         self.engine.start(modes=sampling_modes(spec.generation, spec.input))
         self.max_seq_len = self.engine.max_seq_len

@@ -1,4 +1,4 @@
-"""What goes in and out of the engine: its config, a request's parameters, the events and completions
+"""What goes in and out of the engine: a request's parameters, the events and completions
 it hands back, and the checks a request must pass. Plain data, shared by the engine, the engine process
 and the servers in front of them.
 """
@@ -8,42 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+# Re-exported: the engine and its process import the config from here.
+from gpt2_platform.engine.config import EngineConfig  # noqa: F401
 from gpt2_platform.engine.sampling import SamplingParams
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_batch_size: int = 32
-    """Sequences decoded together (KV cache slots)."""
-    max_seq_len: int | None = None
-    """Prompt plus generated tokens per sequence; None: the model's context."""
-    dtype: str = "auto"
-    """auto (bf16 on a GPU that has it, else fp32), bf16, fp16 or fp32."""
-    cuda_graphs: bool = True
-    """Replay decode steps as CUDA graphs (GPU only)."""
-    compile: bool | None = None
-    """torch.compile the decode step (dynamic shapes: one compilation covers every bucket) before capture:
-    with `decode_kernels` triton, only its token pick.
-
-    None: on CUDA only. On an H200 it made GPT-2's step 25% faster (docs/benchmarks.md); on a CPU its
-    warm-up takes minutes (124 s for the tiny preset on 2 cores, jobs/probes/compile_warmup.py)."""
-    decode_kernels: str = "auto"
-    """The model's part of a decode step: "triton" (our fused kernels, engine/kernels.py), "torch" (the
-    model's own modules, compiled with `compile`), or "auto": triton on CUDA where triton is installed."""
-    max_prefill_tokens: int = 4096
-    """Prompt tokens admitted per iteration, bounding how long running sequences wait for a prefill."""
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
-        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
-            raise ValueError(f"dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
-        if self.decode_kernels not in ("auto", "triton", "torch"):
-            raise ValueError(f"decode_kernels must be auto, triton or torch, got {self.decode_kernels!r}")
-        if self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
 
 
 @dataclass(frozen=True)

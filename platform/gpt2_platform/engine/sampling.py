@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gpt2_platform.engine.config import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K
+
 # The nucleus is complete once the mass before a token reaches top_p; the slack
 # keeps float rounding of a sum that hits top_p exactly from adding one more token.
 _TOP_P_SLACK = 1e-6
@@ -111,7 +113,7 @@ class SamplingParams:
     """How one request picks its tokens; validated on creation."""
 
     temperature: float = 1.0
-    """Softmax temperature in [0, 100]; 0 picks the most likely token (greedy)."""
+    """Softmax temperature in [0, MAX_TEMPERATURE]; 0 picks the most likely token (greedy)."""
     top_k: int = 0
     """Sample among the k most likely tokens only; 0 = no limit."""
     top_p: float = 1.0
@@ -124,14 +126,16 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""
-        if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be a finite number in [0, 100] (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
-            raise ValueError(f"top_k must be an integer in [0, 2**31) (0 = no limit), got {self.top_k!r}")
+        if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}"
+            )
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an integer in [0, 2**31 - 1] (0 = no limit), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 = no limit), got {self.top_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63) or null for a random one, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1] or null for a random one, got {self.seed!r}")
 
     def resolved(self) -> SamplingParams:
         """A copy with a concrete seed: this one's, or a fresh random 63-bit one."""

@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gpt2_platform import checkpoint
 from gpt2_platform.engine.detokenize import ByteTable
-from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams
+from gpt2_platform.engine.engine import Engine, EngineDeadError, Event, GenerationParams
 from gpt2_platform.engine.process import EngineProcess
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.moderation import CONTENT_FILTER, CompletionGuard, Moderator, Verdict, build_moderator
@@ -124,21 +124,10 @@ class GPT2Server:
         # prompts tokenize there and the event loop keeps serving the others meanwhile.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpt2-tokenize")
         self._max_token_bytes = _longest_token_bytes(self.tokenizer)
-        config = EngineConfig(
-            max_batch_size=args.max_batch_size,
-            max_seq_len=args.max_seq_len,
-            dtype=args.dtype,
-            cuda_graphs=args.cuda_graphs,
-            compile=args.compile,
-            decode_kernels=args.decode_kernels,
-            max_prefill_tokens=args.max_prefill_tokens,
-        )
+        config = args.engine
         # start() warms every batch and span shape (and captures the CUDA graphs) before this
         # constructor returns, so the replica reports healthy only once it serves at full speed.
-        if args.engine_process:  # a child process with its own GIL: HTTP streaming does not slow the loop
-            self.engine = EngineProcess(args.model, args.tokenizer or args.model, config).start()
-        else:
-            self.engine = Engine(checkpoint.load_pretrained(args.model), self.tokenizer, config).start()
+        self.engine = Engine(checkpoint.load_pretrained(args.model), self.tokenizer, config).start()
         self.metrics = ServeMetrics(self.model_name)
         self._delivery_loop: asyncio.AbstractEventLoop | None = None
         self._bodies_in_flight = 0  # requests whose bodies are still arriving (autoscaling leaves them out)
@@ -303,7 +292,7 @@ class GPT2Server:
         replica = context.replica_id.unique_id if context is not None else None
         # engine_pid: the engine's child process with engine_process, else null (it runs in the replica).
         engine_pid = self.engine.pid if isinstance(self.engine, EngineProcess) else None
-        stats = {**self.engine.stats(), "max_batch_size": self.args.max_batch_size, "replica": replica}
+        stats = {**self.engine.stats(), "max_batch_size": self.args.engine.max_batch_size, "replica": replica}
         return JSONResponse({**stats, "replica_pid": os.getpid(), "engine_pid": engine_pid})
 
     # ---- turning a request into engine work ----------------------------------------------------
@@ -403,7 +392,7 @@ class GPT2Server:
         """
         stats = self.engine.stats()
         in_engine = stats["running"] + stats["waiting"]
-        capacity = self.args.max_batch_size + self.limits.max_waiting
+        capacity = self.args.engine.max_batch_size + self.limits.max_waiting
         if in_engine and in_engine + len(jobs) > capacity:
             retry_after = self.limits.retry_after_s
             raise APIError(
@@ -520,7 +509,7 @@ def default_max_ongoing_requests(args: schemas.AppArgs) -> int:
     (in JSON, with Retry-After, where Serve's own queue-full 503 is plain text), and clients still
     sending their bodies (each holds a slot for up to limits.body_timeout_s): an idle request in a
     replica costs a coroutine, not engine work, which our own admission check bounds."""
-    return max(1024, 2 * (args.max_batch_size + args.limits.max_waiting))
+    return max(1024, 2 * (args.engine.max_batch_size + args.limits.max_waiting))
 
 
 def _in_ray_worker() -> bool:

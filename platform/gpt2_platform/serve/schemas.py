@@ -8,22 +8,31 @@ from a 400 instead of a silently different result.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 from starlette.requests import ClientDisconnect
 
+from gpt2_platform.engine.config import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, EngineConfig
 from gpt2_platform.moderation import ModerationConfig
 from gpt2_platform.serve import errors
 from gpt2_platform.serve.errors import APIError, bad_request
 
-# OpenAI's own range for temperature; the engine would take up to 100.
-MAX_TEMPERATURE = 2.0
-# The engine keeps seeds and top_k in int64 tensors.
-MAX_INT64 = 2**63 - 1
+# The request bounds are the engine's (engine/config.py), so what it would refuse gets a 400 naming the field.
+MAX_INT64 = MAX_SEED  # the name serve/app.py checks seed + n - 1 against
 Schema = TypeVar("Schema", bound=BaseModel)
 
 
@@ -74,28 +83,11 @@ class AppArgs(BaseModel):
     """Tokenizer directory, hub name or 'byte'; None: the model's own (exported model dirs hold one)."""
     served_model_name: str | None = None
     """The name clients send as `model` and /v1/models lists; None: `model` as given."""
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """Weights and KV cache dtype; auto = bf16 on a GPU that has it, else fp32."""
-    cuda_graphs: bool = True
-    """Replay decode steps as CUDA graphs (GPU only; ignored on CPU)."""
-    compile: bool | None = None
-    """torch.compile the decode step before the graphs are captured (only its token pick with our Triton
-    `decode_kernels`; the whole model with `torch`, at 1-2 minutes of start-up).
-    None: on GPUs (faster steps there), not on CPUs (minutes of warm-up: 124 s for the tiny preset on 2 cores)."""
-    decode_kernels: Literal["auto", "triton", "torch"] = "auto"
-    """The decode step's model part: our fused Triton kernels (engine/kernels.py), the model's torch
-    modules, or auto: Triton on GPUs where it is installed. On an H200, Triton took GPT-2's batch-1 step
-    from 0.48 to 0.35 ms."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The engine's settings (gpt2_platform.engine.config: batch size, context, dtype, CUDA graphs, compile,
+    decode kernels, prefill budget), the same dataclass the batch job's `engine:` takes."""
     gpu_monitor: bool | None = None
     """Start the per-node GPU exporters (`jobs/monitor.py start`) with the app; None: if the cluster has GPUs."""
-    max_batch_size: int = Field(32, ge=1)
-    """Sequences decoded together per replica (KV cache slots)."""
-    max_seq_len: int | None = Field(None, ge=2)
-    """Prompt plus generated tokens per sequence; None: the model's context."""
-    max_prefill_tokens: int = Field(4096, ge=1)
-    """Prompt tokens admitted per engine iteration."""
-    engine_process: bool = False
-    """Run the engine in a child process (its own GIL and CUDA context), so HTTP streaming does not slow its loop."""
     api_key_env: str | None = None
     """Name of an environment variable holding the API key; None: no authentication."""
     limits: ServeLimits = Field(default_factory=ServeLimits)
@@ -103,9 +95,52 @@ class AppArgs(BaseModel):
     moderation: ModerationConfig = Field(default_factory=ModerationConfig)
     """Checks of prompts (400) and completions (withheld, finish_reason 'content_filter'); off by default."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_flat_engine_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "engine_process" in data:
+            raise PydanticCustomError(
+                "retired_key",
+                "args.engine_process is gone: the engine now always runs in its own deployment; remove the key",
+            )
+        moved = [name for name in _ENGINE_KEYS if name in data]
+        if moved:
+            raise PydanticCustomError(
+                "moved_key",
+                "args.{keys} moved under `engine:` (e.g. args.engine.{first}); nest them there",
+                {"keys": ", args.".join(moved), "first": moved[0]},
+            )
+        return data
+
+    @field_validator("engine", mode="wrap")
+    @classmethod
+    def _engine_errors_name_the_field(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> EngineConfig:
+        try:
+            return handler(value)
+        except ValidationError as error:
+            raise PydanticCustomError("engine_config", "{problems}", {"problems": _engine_problems(error)}) from None
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+
+_ENGINE_KEYS = tuple(field.name for field in dataclasses.fields(EngineConfig))
+
+
+def _engine_problems(error: ValidationError) -> str:
+    """Each problem with `args.engine` as `args.engine.<field>: why`; the dataclass's own checks name their field."""
+    problems = []
+    for item in error.errors():
+        cause = (item.get("ctx") or {}).get("error")
+        if item["type"] == "value_error" and isinstance(cause, ValueError):
+            problems.append(f"args.{cause}")  # "engine.max_batch_size must be >= 1, got 0"
+        else:
+            where = ".".join(str(part) for part in item["loc"])
+            problems.append(f"args.engine{'.' + where if where else ''}: {item['msg']}")
+    return "; ".join(problems)
 
 
 class _RequestBody(BaseModel):
@@ -136,10 +171,10 @@ class CompletionRequest(_RequestBody):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=MAX_INT64)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_INT64)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False

@@ -1,0 +1,60 @@
+"""The engine's settings, and the bounds of what it accepts of a request's sampling parameters.
+
+`EngineConfig` is the one dataclass that Serve (`args.engine`) and the batch
+job (`engine:`) both take: Serve validates it through pydantic, the batch job
+through the YAML loader (`gpt2_platform.config.build`), and both show the
+`engine.<field>` that `__post_init__` names when a value is wrong. The bounds
+are checked by `SamplingParams`, Serve's request schemas and the batch job's
+config and rows, so every entry point refuses what the engine would. This
+module imports no torch, so the HTTP schemas and the config checks stay light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+DecodeKernels = Literal["auto", "triton", "torch"]
+
+MAX_TEMPERATURE = 2.0
+"""Highest sampling temperature: OpenAI's cap, so a client gets the range it knows from every entry point."""
+MAX_TOP_K = 2**31 - 1
+"""Largest top_k (int32's largest); any top_k from the vocabulary size up already means no limit."""
+MAX_SEED = 2**63 - 1
+"""Largest sampling seed: seeds live in int64 tensors."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 32
+    """Sequences decoded together (KV cache slots)."""
+    max_seq_len: int | None = None
+    """Prompt plus generated tokens per sequence; None: the model's context."""
+    dtype: Dtype = "auto"
+    """auto (bf16 on a GPU that has it, else fp32), bf16, fp16 or fp32."""
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs (GPU only)."""
+    compile: bool | None = None
+    """torch.compile the decode step (dynamic shapes: one compilation covers every bucket) before capture:
+    with `decode_kernels` triton, only its token pick.
+
+    None: on CUDA only. On an H200 it made GPT-2's step 25% faster (docs/benchmarks.md); on a CPU its
+    warm-up takes minutes (124 s for the tiny preset on 2 cores, jobs/probes/compile_warmup.py)."""
+    decode_kernels: DecodeKernels = "auto"
+    """The model's part of a decode step: "triton" (our fused kernels, engine/kernels.py), "torch" (the
+    model's own modules, compiled with `compile`), or "auto": triton on CUDA where triton is installed."""
+    max_prefill_tokens: int = 4096
+    """Prompt tokens admitted per iteration, bounding how long running sequences wait for a prefill."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"engine.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"engine.max_seq_len must be >= 2 or null (the model's context), got {self.max_seq_len}")
+        if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
+            raise ValueError(f"engine.dtype must be auto, bf16, fp16 or fp32, got {self.dtype!r}")
+        if self.decode_kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"engine.decode_kernels must be auto, triton or torch, got {self.decode_kernels!r}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"engine.max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
