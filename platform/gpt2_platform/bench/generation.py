@@ -102,6 +102,35 @@ def engine_generate(engine: Engine, prompts: torch.Tensor, new_tokens: int, runs
     return GenerationMeasurement.of("gpt2-platform engine", prompts, new_tokens, seconds)
 
 
+def engine_only(
+    preset_name: str,
+    batch_sizes: list[int],
+    prompt_tokens: int,
+    new_tokens: int,
+    max_batch_size: int,
+    dtype_name: str = "auto",
+    compile_step: bool | None = None,
+    runs: int = 3,
+) -> list[dict]:
+    """Our engine alone, configured as the Serve app configures it (compile None: the device's
+    default), at each batch size: the reference a serving benchmark's HTTP tokens/s is held to."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = GPT2(preset(preset_name))
+    config = EngineConfig(
+        max_batch_size=max_batch_size,
+        max_seq_len=prompt_tokens + new_tokens,
+        dtype=dtype_name,
+        compile=compile_step,
+    )
+    engine = Engine(model, byte_tokenizer(), config, device=device).start(modes=("greedy",))
+    try:
+        prompts = {b: random_prompts(b, prompt_tokens, model.config.vocab_size) for b in batch_sizes}
+        return [asdict(engine_generate(engine, prompts[b], new_tokens, runs)) for b in batch_sizes]
+    finally:
+        engine.shutdown()
+
+
 def decode_step_latency(engine: Engine, batch: int, position: int, repeats: int = 200) -> float:
     """Milliseconds per decode step at this batch size, host work included (tokens in, tokens out)."""
     runner = engine.runner

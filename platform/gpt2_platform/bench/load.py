@@ -1,0 +1,449 @@
+"""The serving benchmark's load generator: keep N completions in flight, measure what comes back.
+
+Every request has the same prompt length (token ids, so the length is exact whatever the
+tokenizer) and generates exactly `max_tokens` tokens (ignore_eos). A streaming request's time to
+first token is its first chunk; a non-streaming request's first token arrives with its last, so
+its TTFT is its whole latency. Needs only httpx (and psutil, optional, for the process CPU line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from gpt2_platform.bench import processes
+
+logger = logging.getLogger(__name__)
+
+# Printable ASCII ids: single-byte tokens in GPT-2's BPE and in the byte tokenizer alike.
+_FIRST_ID, _NUM_IDS = 32, 95
+MODES = ("stream", "nonstream")
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    status: int
+    """The HTTP status; 0 when the connection failed, 200 for a stream that broke with an error chunk."""
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    completion_tokens: int = 0
+
+
+@dataclass
+class LevelResult:
+    mode: str
+    """stream or nonstream."""
+    concurrency: int
+    requests: int
+    failed: int
+    seconds: float
+    requests_per_s: float
+    generated_tokens_per_s: float
+    ttft_p50_ms: float
+    """Streaming: the first chunk. Non-streaming: the whole request (equal to latency_p50_ms)."""
+    ttft_p99_ms: float
+    latency_p50_ms: float
+    latency_p99_ms: float
+    per_token_p50_ms: float
+    """Time per output token after the first (streaming only; NaN otherwise)."""
+    per_token_p99_ms: float
+    client_cpu_pct: float
+    """The busiest client process's CPU time over the level's wall time: near 100, the load generator,
+    not the server, sets the pace (use more client processes)."""
+    failed_by_status: dict[str, int] = field(default_factory=dict)
+    process_cpu: dict | None = None
+    """processes.cpu_shares over the level: the top processes' CPU % of one core."""
+    engine_tokens_per_s: float | None = None
+    """The engine alone at batch size = concurrency, same model and shapes (when measured)."""
+    http_to_engine_ratio: float | None = None
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """What every level of a sweep shares."""
+
+    url: str
+    prompt_tokens: int = 128
+    max_tokens: int = 128
+    temperature: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 300.0
+    num_requests: int | None = None
+    """Per level; None: max(8, 4 x concurrency)."""
+    client_processes: int = 1
+    """Split each level's requests over this many spawned client processes (1: in this process)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "max_tokens", "client_processes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"num_requests must be at least 1, got {self.num_requests}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def prompt_ids(length: int, index: int) -> list[int]:
+    """A prompt of exactly `length` token ids, different per request (no prefix caching to exploit)."""
+    return [_FIRST_ID + (index * 7 + position * 13) % _NUM_IDS for position in range(length)]
+
+
+def request_body(settings: LoadSettings, model: str, mode: str) -> dict:
+    """The body every request of a level shares (the prompt is added per request)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    body = {
+        "model": model,
+        "max_tokens": settings.max_tokens,
+        "temperature": settings.temperature,
+        "ignore_eos": True,
+        "stream": mode == "stream",
+    }
+    if mode == "stream":
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def one_request(client: httpx.AsyncClient, body: dict) -> RequestResult:
+    """One completion, streamed or not as `body` says."""
+    if body.get("stream"):
+        return await _one_stream(client, body)
+    started = time.perf_counter()
+    response = await client.post("/v1/completions", json=body)
+    ended = time.perf_counter()
+    if response.status_code != 200:
+        return RequestResult(ok=False, status=response.status_code)
+    try:
+        payload = response.json()
+        completion_tokens = payload["usage"]["completion_tokens"]
+        assert payload["choices"], "a 200 completion without choices"
+    except (ValueError, KeyError, TypeError, AssertionError):
+        return RequestResult(ok=False, status=response.status_code)
+    return RequestResult(True, 200, ended - started, ended - started, completion_tokens)
+
+
+async def _one_stream(client: httpx.AsyncClient, body: dict) -> RequestResult:
+    """Stream one completion; time its first chunk and its end, count its tokens from the usage chunk."""
+    started = time.perf_counter()
+    first_chunk_at, completion_tokens = None, 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return RequestResult(ok=False, status=response.status_code)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                return RequestResult(ok=False, status=response.status_code)
+            if chunk["choices"] and first_chunk_at is None:
+                first_chunk_at = time.perf_counter()
+            if chunk.get("usage"):
+                completion_tokens = chunk["usage"]["completion_tokens"]
+    ended = time.perf_counter()
+    if first_chunk_at is None:
+        return RequestResult(ok=False, status=response.status_code)
+    return RequestResult(True, 200, first_chunk_at - started, ended - started, completion_tokens)
+
+
+async def run_requests(
+    client: httpx.AsyncClient, base_body: dict, concurrency: int, indices: range, prompt_len: int
+) -> list[RequestResult]:
+    """Keep `concurrency` requests in flight until the requests of `indices` finished."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in indices:
+        queue.put_nowait(index)
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        while not queue.empty():
+            index = queue.get_nowait()
+            body = {**base_body, "prompt": prompt_ids(prompt_len, index)}
+            try:
+                results.append(await one_request(client, body))
+            except httpx.HTTPError:
+                results.append(RequestResult(ok=False, status=0))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+@dataclass(frozen=True)
+class ClientShare:
+    """One client process's part of a level (picklable: it crosses to a spawned process)."""
+
+    url: str
+    headers: dict
+    timeout_s: float
+    base_body: dict
+    concurrency: int
+    indices: range
+    prompt_len: int
+    start_at: float
+    """time.time() at which every client process starts its requests."""
+
+
+def run_share(share: ClientShare) -> tuple[list[RequestResult], float, float]:
+    """Run one share on its own event loop: its results, its CPU seconds, and time.time() at its end."""
+
+    async def run() -> tuple[list[RequestResult], float, float]:
+        limits = httpx.Limits(max_connections=share.concurrency + 4, max_keepalive_connections=share.concurrency)
+        async with httpx.AsyncClient(
+            base_url=share.url, headers=share.headers, timeout=share.timeout_s, limits=limits
+        ) as client:
+            await asyncio.sleep(max(0.0, share.start_at - time.time()))
+            cpu = time.process_time()
+            results = await run_requests(client, share.base_body, share.concurrency, share.indices, share.prompt_len)
+            return results, time.process_time() - cpu, time.time()
+
+    return asyncio.run(run())
+
+
+def run_level(
+    pool: ProcessPoolExecutor | None, settings: LoadSettings, base_body: dict, concurrency: int
+) -> LevelResult:
+    """Keep `concurrency` requests in flight, over the client processes, until the level's requests finished.
+
+    One Python process parsing every SSE chunk can become the bottleneck of the measurement itself
+    (httpx spends tens of microseconds a chunk); client processes split the load, and every level
+    reports how busy its busiest client process was and which processes on the machine used the CPU.
+    """
+    num_requests = settings.num_requests or max(8, 4 * concurrency)
+    num_processes = min(settings.client_processes, concurrency) if pool is not None else 1
+    start_at = time.time() + (2.0 if pool is not None else 0.0)  # every process connected and waiting
+    shares = [
+        ClientShare(
+            settings.url,
+            settings.headers,
+            settings.timeout_s,
+            base_body,
+            len(range(i, concurrency, num_processes)),
+            range(i, num_requests, num_processes),
+            settings.prompt_tokens,
+            start_at,
+        )
+        for i in range(num_processes)
+    ]
+    if pool is None:
+        before = processes.snapshot()
+        outcomes = [run_share(shares[0])]
+    else:
+        futures = [pool.submit(run_share, share) for share in shares]
+        time.sleep(max(0.0, start_at - time.time()))  # the processes' CPU counts from when they start
+        before = processes.snapshot()
+        outcomes = [future.result() for future in futures]
+    shares_cpu = processes.cpu_shares(before, processes.snapshot())
+    seconds = max(end for _, _, end in outcomes) - start_at
+    results = [r for share_results, _, _ in outcomes for r in share_results]
+    busiest = max(cpu for _, cpu, _ in outcomes)
+    level = summarise(base_body, concurrency, results, seconds, 100.0 * busiest / seconds)
+    level.process_cpu = shares_cpu
+    return level
+
+
+def summarise(
+    base_body: dict, concurrency: int, results: list[RequestResult], seconds: float, client_cpu_pct: float
+) -> LevelResult:
+    done = [r for r in results if r.ok]
+    ttft_ms = [r.ttft_s * 1e3 for r in done]
+    latency_ms = [r.total_s * 1e3 for r in done]
+    per_token_ms = [(r.total_s - r.ttft_s) / (r.completion_tokens - 1) * 1e3 for r in done if r.completion_tokens > 1]
+    streaming = bool(base_body.get("stream"))
+    if not streaming:
+        per_token_ms = []  # no chunk before the last: there is no time between tokens to measure
+    failed = Counter(str(r.status) for r in results if not r.ok)
+    return LevelResult(
+        mode="stream" if streaming else "nonstream",
+        concurrency=concurrency,
+        requests=len(results),
+        failed=len(results) - len(done),
+        seconds=seconds,
+        requests_per_s=len(done) / seconds,
+        generated_tokens_per_s=sum(r.completion_tokens for r in done) / seconds,
+        ttft_p50_ms=percentile(ttft_ms, 50),
+        ttft_p99_ms=percentile(ttft_ms, 99),
+        latency_p50_ms=percentile(latency_ms, 50),
+        latency_p99_ms=percentile(latency_ms, 99),
+        per_token_p50_ms=percentile(per_token_ms, 50),
+        per_token_p99_ms=percentile(per_token_ms, 99),
+        client_cpu_pct=client_cpu_pct,
+        failed_by_status=dict(sorted(failed.items())),
+    )
+
+
+def attach_engine_baseline(levels: list[LevelResult], engine_tokens_per_s: dict[int, float]) -> None:
+    """Set each level's engine tokens/s (at batch size = its concurrency) and HTTP / engine."""
+    for level in levels:
+        engine = engine_tokens_per_s.get(level.concurrency)
+        if engine:
+            level.engine_tokens_per_s = engine
+            level.http_to_engine_ratio = level.generated_tokens_per_s / engine
+
+
+def discover_model(settings: LoadSettings) -> str:
+    with httpx.Client(base_url=settings.url, headers=settings.headers, timeout=settings.timeout_s) as client:
+        models = client.get("/v1/models")
+        models.raise_for_status()
+        return models.json()["data"][0]["id"]
+
+
+def sweep(
+    settings: LoadSettings,
+    concurrency_levels: list[int],
+    modes: list[str],
+    model: str,
+    on_level: Callable[[LevelResult], None] | None = None,
+) -> list[LevelResult]:
+    """Every level in every mode (each concurrency's modes back to back, so they see the same server)."""
+    bodies = {mode: request_body(settings, model, mode) for mode in modes}
+    for body in bodies.values():  # warm the server in each mode
+        share = ClientShare(
+            settings.url, settings.headers, settings.timeout_s, body, 1, range(2), settings.prompt_tokens, 0.0
+        )
+        run_share(share)
+    pool = None
+    if settings.client_processes > 1:
+        import multiprocessing
+
+        pool = ProcessPoolExecutor(settings.client_processes, mp_context=multiprocessing.get_context("spawn"))
+    levels = []
+    try:
+        for concurrency in concurrency_levels:
+            for mode in modes:
+                level = run_level(pool, settings, bodies[mode], concurrency)
+                levels.append(level)
+                if level.client_cpu_pct > 85:
+                    logger.warning(
+                        "a client process was %.0f%% busy at concurrency %d (%s): the load generator may be "
+                        "what limits this level (use more client processes)",
+                        level.client_cpu_pct,
+                        concurrency,
+                        mode,
+                    )
+                if on_level is not None:
+                    on_level(level)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return levels
+
+
+def _ms_pair(p50: float, p99: float, digits: int) -> str:
+    if math.isnan(p50):
+        return "-"
+    return f"{p50:.{digits}f} / {p99:.{digits}f}"
+
+
+def markdown_header(with_engine: bool) -> list[str]:
+    engine = " engine tokens/s (HTTP / engine) |" if with_engine else ""
+    return [
+        f"| mode | concurrency | requests (failed) | requests/s | generated tokens/s |{engine} TTFT p50 / p99 ms "
+        "| latency p50 / p99 ms | per token p50 / p99 ms | client CPU % |",
+        "|---|---:|---:|---:|---:|" + ("---:|" if with_engine else "") + "---:|---:|---:|---:|",
+    ]
+
+
+def markdown_row(level: LevelResult, with_engine: bool) -> str:
+    engine = ""
+    if with_engine:
+        engine = (
+            f" {level.engine_tokens_per_s:.0f} ({level.http_to_engine_ratio:.2f}) |"
+            if level.engine_tokens_per_s
+            else " - |"
+        )
+    ttft = _ms_pair(level.ttft_p50_ms, level.ttft_p99_ms, 1) if level.mode == "stream" else "= latency"
+    return (
+        f"| {level.mode} | {level.concurrency} | {level.requests} ({level.failed}) | {level.requests_per_s:.2f} "
+        f"| {level.generated_tokens_per_s:.0f} |{engine} {ttft} "
+        f"| {_ms_pair(level.latency_p50_ms, level.latency_p99_ms, 1)} "
+        f"| {_ms_pair(level.per_token_p50_ms, level.per_token_p99_ms, 2)} | {level.client_cpu_pct:.0f} |"
+    )
+
+
+def as_markdown(levels: list[LevelResult]) -> str:
+    with_engine = any(level.engine_tokens_per_s for level in levels)
+    lines = markdown_header(with_engine) + [markdown_row(level, with_engine) for level in levels]
+    if any(level.mode == "nonstream" for level in levels):
+        lines += ["", "nonstream: the first token arrives with the last, so TTFT is the whole request's latency."]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    """Tokens/s and TTFT p99 against concurrency, per mode, with the engine alone as a reference;
+    None when matplotlib is not installed (it is not a dependency of the project)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+    from matplotlib.ticker import FuncFormatter
+
+    figure, (throughput, ttft) = pyplot.subplots(1, 2, figsize=(11, 4.2))
+    for mode, marker in zip(MODES, ("o", "s"), strict=True):
+        levels = sorted((lv for lv in report["levels"] if lv.get("mode", "stream") == mode), key=_concurrency)
+        if not levels:
+            continue
+        x = [lv["concurrency"] for lv in levels]
+        throughput.plot(x, [lv["generated_tokens_per_s"] for lv in levels], marker=marker, label=f"HTTP, {mode}")
+        # Non-streaming: the first token comes with the last, so its TTFT is the request's latency.
+        label = "TTFT p99, stream" if mode == "stream" else "latency p99 (= TTFT), nonstream"
+        ttft.plot(x, [lv["ttft_p99_ms"] for lv in levels], marker=marker, label=label)
+    engine_rows = sorted((report.get("engine_baseline") or {}).get("rows", []), key=lambda r: r["batch_size"])
+    if engine_rows:
+        throughput.plot(
+            [r["batch_size"] for r in engine_rows],
+            [r["tokens_per_s"] for r in engine_rows],
+            linestyle="--",
+            marker="x",
+            color="black",
+            label="engine alone (batch = concurrency)",
+        )
+    concurrency_levels = sorted({lv["concurrency"] for lv in report["levels"]})
+    for axes in (throughput, ttft):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(concurrency_levels, [str(c) for c in concurrency_levels])
+        axes.minorticks_off()
+        axes.set_xlabel("concurrent requests")
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
+    throughput.set_ylabel("generated tokens/s")
+    throughput.set_title("throughput", fontsize=10)
+    ttft.set_ylabel("ms (log scale)")
+    ttft.set_yscale("log")  # from tens of ms at one request to seconds once requests queue
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ttft.yaxis.set_major_formatter(plain)
+    ttft.yaxis.set_minor_formatter(plain)
+    ttft.set_title("time to first token, p99", fontsize=10)
+    config = report.get("config", {})
+    figure.suptitle(
+        f"{report.get('model', '?')}: {config.get('prompt_tokens', '?')} prompt + "
+        f"{config.get('max_tokens', '?')} generated tokens per request"
+    )
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return path
+
+
+def _concurrency(level: dict) -> int:
+    return level["concurrency"]
