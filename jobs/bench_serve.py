@@ -83,7 +83,8 @@ def start_app(args: argparse.Namespace) -> dict:
         max_seq_len,
         args.compile,
         stream_interval_ms=args.stream_interval_ms,
-        engine_process=args.engine_process,
+        ingress_replicas=args.ingress_replicas,
+        ingress=args.ingress,
     )
 
 
@@ -157,7 +158,14 @@ def parse_args() -> argparse.Namespace:
         "--stream-interval-ms", type=float, default=20.0, help="limits.stream_interval_ms (0: every token)"
     )
     started.add_argument(
-        "--engine-process", action="store_true", help="args.engine_process: the engine in a child process"
+        "--ingress-replicas", type=int, default=1, help="GPT2Server (HTTP) replicas in front of the one engine"
+    )
+    started.add_argument(
+        "--ingress",
+        choices=["proxy", "direct", "haproxy"],
+        default="proxy",
+        help="how HTTP reaches the ingress replicas: Serve's Python proxy (default), direct ingress (one "
+        "replica serves the port), or HAProxy balancing every replica (RAY_SERVE_ENABLE_HA_PROXY)",
     )
     started.add_argument(
         "--engine-baseline",

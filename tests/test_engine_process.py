@@ -1,5 +1,5 @@
 """The engine in a child process (engine/process.py): the same tokens as in process, events per step,
-cancel, validation in the parent, a child that dies or whose parent dies, and Serve with `engine_process`.
+cancel, validation in the parent, a child that dies or whose parent dies, and the token link to an ingress.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 import test_serve
 from gpt2_platform import checkpoint
 from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams
+from gpt2_platform.engine.link import Inlet, Link
 from gpt2_platform.engine.process import EngineProcess, EngineStartError
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.tokenizer import load_tokenizer
-from test_serve import _free_port, complete, sse_events, wait_until
+from test_serve import wait_until
 
 model_dir = test_serve.model_dir  # the fixture: a tiny model trained to write ASCII, with the byte tokenizer
 
@@ -225,37 +225,67 @@ def test_the_child_exits_when_its_parent_is_killed(model_dir, tmp_path):
         parent.wait(timeout=10)
 
 
-# ---- in the Serve app -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def base_url(ray_cluster, model_dir: Path) -> Iterator[str]:
-    from ray import serve
+# ---- the token link: tokens straight to an ingress, cancels straight back ------------------------------
+class Ingress:
+    """An ingress's end of the link as RemoteEngine holds it, gathering what each message brings."""
 
-    from gpt2_platform.serve.app import gpt2_deployment
+    def __init__(self) -> None:
+        self.records: list[tuple] = []
+        self.messages = 0
+        self.lost = threading.Event()
+        self.links: list[Link] = []
+        self.inlet = Inlet("127.0.0.1", self._on_message, lambda link: self.lost.set())
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        args = {"model": str(model_dir), "engine": {"dtype": "fp32", "max_batch_size": 4}}
-        serve.run(gpt2_deployment(args, ray_actor_options={"num_cpus": 1}), name="engine-process", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    def _on_message(self, link: Link, records: list[tuple]) -> None:
+        if link not in self.links:
+            self.links.append(link)
+        self.messages += 1
+        self.records.extend(records)
+
+    def outlet(self, key: int) -> tuple:
+        return (self.inlet.address, self.inlet.authkey, key)
 
 
-# TODO: Serve no longer runs the engine in a child process (args.engine_process is retired); this
-# comes back against the engine deployment that Serve is being split into.
-@pytest.mark.skip(reason="args.engine_process is retired; returns with the engine deployment")
-def test_serve_with_engine_process_completes_and_streams(base_url):
-    request = {"prompt": "carol has 4 pens.", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-    with httpx.Client(base_url=base_url, timeout=60) as client:
-        assert client.get("/health").json()["status"] == "ok"
-        expected = complete(client, **request)["choices"][0]["text"]
-        assert len(expected) == 24
-        with client.stream("POST", "/v1/completions", json={**request, "stream": True}) as response:
-            assert response.status_code == 200
-            events = sse_events(response)
-        # The engine's counters come from the child (at most 0.1 s old).
-        assert wait_until(lambda: client.get("/v1/engine/stats").json()["generated_tokens"] >= 48, timeout_s=5)
-    chunks = [e for e in events[:-1] if e["choices"]]
-    assert events[-1] == "[DONE]" and len(chunks) > 1
-    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+def test_tokens_go_over_the_link_one_message_per_step_and_the_parent_hears_only_the_end(engine_process, model_dir):
+    ingress = Ingress()
+    ends: list[Event] = []
+    prompts = [list(b"alice has 3 apples."), list(b"bob")]
+    for key, prompt in enumerate(prompts, start=1):
+        engine_process.submit(prompt, greedy(30), ends.append, tokens_only=True, outlet=ingress.outlet(key))
+    assert wait_until(lambda: len(ends) == 2, timeout_s=30)
+    assert wait_until(lambda: sum(1 for r in ingress.records if r[2] is not None) == 2, timeout_s=5)
+    # The parent got each sequence's end with its counts and no tokens or text; the ingress got the tokens.
+    assert all(e.finish_reason == "length" and e.token_ids == [] and e.text == "" for e in ends)
+    assert sorted(e.completion_tokens for e in ends) == [30, 30]
+    tokens = {key: [r[1] for r in ingress.records if r[0] == key] for key in (1, 2)}
+    expected = run_to_end(
+        Engine(
+            checkpoint.load_pretrained(str(model_dir)),
+            load_tokenizer(str(model_dir)),
+            EngineConfig(max_batch_size=4, dtype="fp32"),
+        ).start(warmup=False),
+        prompts,
+        greedy(30),
+    )
+    for key, events in zip((1, 2), expected, strict=True):
+        assert tokens[key] == [t for e in events for t in e.token_ids]
+    # Both sequences' tokens of a step travel together: far fewer messages than tokens.
+    assert ingress.messages < len(ingress.records) * 0.75, (ingress.messages, len(ingress.records))
+    assert len(ingress.links) == 1  # one connection per engine and ingress, however many sequences
+    ingress.inlet.close()
+
+
+def test_a_cancel_on_the_link_frees_the_slot_and_a_wrong_key_is_refused(engine_process):
+    ingress = Ingress()
+    ends: list[Event] = []
+    engine_process.submit(list(b"a long story"), greedy(110), ends.append, tokens_only=True, outlet=ingress.outlet(7))
+    assert wait_until(lambda: ingress.records, timeout_s=30)
+    ingress.links[0].cancel(7)
+    assert wait_until(lambda: ends, timeout_s=10) and ends[0].finish_reason == "abort"
+    assert len(ingress.records) < 110
+    # A client that does not hold the ingress's key cannot feed it tokens.
+    from multiprocessing.connection import AuthenticationError, Client
+
+    with pytest.raises((AuthenticationError, EOFError, ConnectionError)):
+        Client(ingress.inlet.address, family="AF_INET", authkey=b"not the key")
+    ingress.inlet.close()

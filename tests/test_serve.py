@@ -80,6 +80,11 @@ def _free_port() -> int:
     raise RuntimeError("no free port")
 
 
+# Half a CPU each: the module's app and the autoscaling test's, with its second ingress replica, fit the
+# test cluster's 4 CPUs.
+ENGINE_OPTIONS = {"ray_actor_options": {"num_cpus": 0.5}}
+
+
 def _main_args(model_dir: Path) -> dict:
     return {
         "model": str(model_dir),
@@ -96,8 +101,9 @@ def _deploy_main(model_dir: Path, **options) -> None:
     from gpt2_platform.serve.app import gpt2_deployment
 
     # The key reaches the replica through its environment, as a deployment's runtime_env would set it.
-    options.setdefault("ray_actor_options", {"num_cpus": 1, "runtime_env": {"env_vars": {API_KEY_ENV: API_KEY}}})
-    serve.run(gpt2_deployment(_main_args(model_dir), **options), name=APP, route_prefix="/")
+    options.setdefault("ray_actor_options", {"num_cpus": 0.5, "runtime_env": {"env_vars": {API_KEY_ENV: API_KEY}}})
+    app = gpt2_deployment(_main_args(model_dir), engine_options=ENGINE_OPTIONS, **options)
+    serve.run(app, name=APP, route_prefix="/")
 
 
 @pytest.fixture(scope="module")
@@ -572,9 +578,9 @@ def test_a_killed_replica_is_replaced_and_serving_resumes(client):
     (name,) = [
         actor["name"]
         for actor in ray.util.list_named_actors(all_namespaces=True)
-        if actor["name"].startswith(f"SERVE_REPLICA::{APP}#")
+        if actor["name"].startswith(f"SERVE_REPLICA::{APP}#GPT2Server#")
     ]
-    old_replica = engine_stats(client)["replica"]
+    old_replica = engine_stats(client)["ingress"]["replica"]
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
     def served_by_a_new_replica() -> bool:
@@ -583,7 +589,8 @@ def test_a_killed_replica_is_replaced_and_serving_resumes(client):
             ok = client.post("/v1/completions", json={"prompt": "back?", "max_tokens": 2}, timeout=5)
         except httpx.HTTPError:
             return False
-        return stats.status_code == 200 and stats.json()["replica"] != old_replica and ok.status_code == 200
+        new = stats.status_code == 200 and stats.json()["ingress"]["replica"] != old_replica
+        return new and ok.status_code == 200
 
     assert wait_until(served_by_a_new_replica, timeout_s=90, interval_s=0.5)
 
@@ -658,7 +665,13 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(base_url, mo
         "limits": {"max_waiting": 8},
         "gpu_monitor": True,
     }
-    app = gpt2_deployment(args, autoscaling_config=autoscaling, max_ongoing_requests=8)
+    app = gpt2_deployment(
+        args,
+        engine_options=ENGINE_OPTIONS,
+        autoscaling_config=autoscaling,
+        max_ongoing_requests=8,
+        ray_actor_options={"num_cpus": 0.5},
+    )
     serve.run(app, name="autoscale", route_prefix="/autoscale")
 
     def running_replicas() -> int:

@@ -1,5 +1,5 @@
 """Serving faults over real Serve and HTTP: the engine's process dies under load, and a burst past every
-limit. (A killed replica and a bad `serve deploy` over a running app: tests/test_serve_proxy.py.)
+limit. (A killed ingress replica and a bad `serve deploy` over a running app: tests/test_serve_proxy.py.)
 
 What a client gets in each: JSON in OpenAI's error shape (never Serve's plain text), a Retry-After
 where trying again helps, and a stream cut by the fault that ends with an SSE error event and [DONE].
@@ -42,8 +42,9 @@ def engine_process_url(serve_port, model_dir) -> Iterator[str]:
     from gpt2_platform.serve.app import gpt2_deployment
 
     args = {"model": str(model_dir), "engine": {"dtype": "fp32", "max_batch_size": 4}}
-    # A fast health check, so Serve replaces the replica whose engine died within seconds.
-    app = gpt2_deployment(args, ray_actor_options={"num_cpus": 1}, health_check_period_s=1)
+    # A fast health check, so Serve replaces the engine replica whose process died within seconds.
+    engine_options = {"ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 1}
+    app = gpt2_deployment(args, engine_options=engine_options, ray_actor_options={"num_cpus": 0.5})
     serve.run(app, name="faults", route_prefix="/")
     yield f"http://127.0.0.1:{serve_port}"
     serve.delete("faults")
@@ -54,9 +55,6 @@ def assert_unavailable(response: httpx.Response) -> None:
     assert response.json()["error"]["type"] == "server_error" and int(response.headers["Retry-After"]) >= 1
 
 
-# TODO: killing the engine needs it in a process of its own; args.engine_process is retired, and this
-# comes back against the engine deployment that Serve is being split into.
-@pytest.mark.skip(reason="args.engine_process is retired; returns with the engine deployment")
 def test_a_dead_engine_ends_streams_with_an_error_event_and_requests_get_503_until_replaced(engine_process_url):
     long = {"prompt": "a long story", "max_tokens": 200, "ignore_eos": True}
 

@@ -18,6 +18,16 @@ logger = logging.getLogger(__name__)
 APP_NAME = "gpt2-bench"
 
 
+# How HTTP reaches the ingress replicas: Serve's Python proxy actor (the default), direct ingress (the
+# one ingress replica listens on the Serve port itself), or HAProxy (a C proxy balancing every ingress
+# replica, each listening on a port of its own). Serve reads these when it starts.
+INGRESS_MODES = {
+    "proxy": {},
+    "direct": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"},
+    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
+}
+
+
 def start(
     preset_name: str,
     model_dir: Path,
@@ -27,12 +37,13 @@ def start(
     compile_step: bool | None = None,
     gpu_monitor: bool | None = None,
     stream_interval_ms: float = 20.0,
-    engine_process: bool = False,
+    ingress_replicas: int = 1,
+    ingress: str = "proxy",
 ) -> dict[str, Any]:
-    """Write the model, start Serve on 127.0.0.1:`port` and deploy one replica; returns what was deployed.
+    """Write the model, start Serve on `port` and deploy `ingress_replicas` ingress replicas in front of
+    one engine (on the GPU if there is one); returns what was deployed."""
+    import os
 
-    `engine_process` is ignored (with a warning): the app no longer runs its engine in a child process.
-    """
     import ray
     import torch
     from ray import serve
@@ -41,8 +52,11 @@ def start(
     from gpt2_platform.runtime import init_ray
     from gpt2_platform.serve.app import gpt2_deployment
 
-    if engine_process:
-        logger.warning("engine_process is ignored: the engine no longer runs in a child process of the replica")
+    if ingress not in INGRESS_MODES:
+        raise ValueError(f"ingress must be one of {sorted(INGRESS_MODES)}, got {ingress!r}")
+    if ingress == "direct" and ingress_replicas != 1:
+        raise ValueError("direct ingress serves the port from one ingress replica; use haproxy for several")
+    os.environ.update(INGRESS_MODES[ingress])  # before Ray starts: its processes inherit this environment
     torch.manual_seed(0)
     write_model(model_dir, preset_name)
     init_ray()
@@ -62,12 +76,23 @@ def start(
     }
     started = time.perf_counter()
     app = gpt2_deployment(
-        args, max_ongoing_requests=8 * max_batch_size, ray_actor_options={"num_gpus": num_gpus, "num_cpus": 1}
+        args,
+        engine_options={"ray_actor_options": {"num_gpus": num_gpus, "num_cpus": 1}},
+        num_replicas=ingress_replicas,
+        max_ongoing_requests=8 * max_batch_size,
+        ray_actor_options={"num_cpus": 1},
     )
     serve.run(app, name=APP_NAME, route_prefix="/")
     ready_s = time.perf_counter() - started
-    logger.info("replica ready in %.1f s (%d GPU)", ready_s, num_gpus)
-    return {"args": args, "num_gpus": num_gpus, "replica_ready_s": ready_s, "url": f"http://127.0.0.1:{port}"}
+    logger.info("app ready in %.1f s (%d ingress replicas, engine on %d GPU)", ready_s, ingress_replicas, num_gpus)
+    return {
+        "args": args,
+        "num_gpus": num_gpus,
+        "ingress": ingress,
+        "ingress_replicas": ingress_replicas,
+        "replica_ready_s": ready_s,
+        "url": f"http://127.0.0.1:{port}",
+    }
 
 
 def stop() -> None:

@@ -25,7 +25,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from gpt2_platform.engine import kernels
-from gpt2_platform.engine.detokenize import ByteTable, IncrementalDetokenizer, find_stop
+from gpt2_platform.engine.detokenize import ByteTable
+from gpt2_platform.engine.output import TextOutput
 from gpt2_platform.engine.requests import (
     Completion,
     Deliver,
@@ -47,12 +48,9 @@ class _Sequence:
     prompt: list[int]
     params: GenerationParams
     on_event: Callable[[Event], None]
-    detokenizer: IncrementalDetokenizer
-    incremental: bool = True  # text per step (streaming, stop strings), or once at the end
+    output: TextOutput | None  # None: events carry tokens only, and the consumer makes the text
     slot: int = -1
     generated: list[int] = field(default_factory=list)
-    emitted_chars: int = 0
-    hold: int = 0  # characters held back: a tail that could still grow into a stop string
     in_flight: int = 0  # launched steps whose token for it is not yet taken in (0, 1 or 2)
     submitted_at: float = field(default_factory=time.perf_counter)
 
@@ -171,25 +169,26 @@ class Engine:
         params: GenerationParams,
         on_event: Callable[[Event], None],
         incremental_text: bool = True,
+        tokens_only: bool = False,
+        request_size: int = 1,
     ) -> int:
         """Queue a request; `on_event` is called from the engine thread with each step's output.
 
         With `incremental_text=False` (and no stop strings) events carry tokens only and the
         whole text comes with the last one: detokenizing every token of a large batch costs
-        more host time than the GPU step itself.
+        more host time than the GPU step itself. With `tokens_only` every event carries its token
+        and no text, and stop strings are the consumer's to apply (engine/output.py's TextOutput,
+        e.g. in the process serving HTTP): the engine ends a sequence only at end-of-text or its
+        token budget, or when cancelled. `request_size` is the interface's (engine/protocol.py): this
+        engine queues whatever it is given, so it ignores it.
         """
         self.check_health()
         params = GenerationParams(params.max_tokens, tuple(params.stop), params.ignore_eos, params.sampling.resolved())
         self.validate(prompt_ids, params)
-        sequence = _Sequence(
-            next(self._ids),
-            list(prompt_ids),
-            params,
-            on_event,
-            IncrementalDetokenizer(self.tokenizer, self.byte_table),
-            incremental=incremental_text or bool(params.stop),
-            hold=max((len(stop) - 1 for stop in params.stop), default=0),
-        )
+        output = None
+        if not tokens_only:
+            output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
+        sequence = _Sequence(next(self._ids), list(prompt_ids), params, on_event, output)
         with self._wakeup:
             self._waiting.append(sequence)
             self._wakeup.notify()
@@ -364,54 +363,26 @@ class Engine:
                 self._append(sequence, tokens[sequence.slot])
 
     def _append(self, sequence: _Sequence, token: int) -> None:
-        """Record one generated token; emit its text, or finish the sequence."""
+        """Record one generated token; emit it (and its text), or finish the sequence."""
         params = sequence.params
         self.num_generated_tokens += 1
         sequence.generated.append(token)
         is_eos = token == self.eos_token_id and not params.ignore_eos
-        if not sequence.incremental:
-            # One event at the end with every token: per-token events cost host time per step.
-            if is_eos or len(sequence.generated) >= params.max_tokens:
-                tokens = sequence.generated[:-1] if is_eos else sequence.generated
-                self._finish(sequence, "stop" if is_eos else "length", tokens, self._final_text(sequence))
+        last = is_eos or len(sequence.generated) >= params.max_tokens
+        if sequence.output is None:  # tokens only
+            if last:
+                self._finish(sequence, "stop" if is_eos else "length", [token], "")
+            else:
+                self._emit(sequence, Event(sequence.request_id, [token], "", seed=params.sampling.seed))
             return
-        if is_eos:
-            self._finish(sequence, "stop", [], self._final_text(sequence))
+        emitted = sequence.output.add(token, last)
+        if emitted is None:
             return
-        detokenizer = sequence.detokenizer
-        before = len(detokenizer.text)
-        detokenizer.add(token)
-        if params.stop:
-            cut = find_stop(detokenizer.text, params.stop, before)
-            if cut is not None:
-                self._finish(sequence, "stop", [token], self._pending_text(sequence, cut))
-                return
-        if len(sequence.generated) >= params.max_tokens:
-            self._finish(sequence, "length", [token], self._final_text(sequence))
-            return
-        # Hold back a tail that could still become a stop string.
-        text = self._pending_text(sequence, max(sequence.emitted_chars, len(detokenizer.text) - sequence.hold))
-        self._emit(sequence, Event(sequence.request_id, [token], text, seed=params.sampling.seed))
-
-    def _final_text(self, sequence: _Sequence) -> str:
-        """The text not yet emitted, decoded whole (this also flushes an unfinished character)."""
-        ids = sequence.generated
-        if ids and ids[-1] == self.eos_token_id and not sequence.params.ignore_eos:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids)
-        return self._pending_text_of(sequence, text)
-
-    @staticmethod
-    def _pending_text_of(sequence: _Sequence, text: str) -> str:
-        pending = text[sequence.emitted_chars :]
-        sequence.emitted_chars = len(text)
-        return pending
-
-    @staticmethod
-    def _pending_text(sequence: _Sequence, end: int) -> str:
-        text = sequence.detokenizer.text[sequence.emitted_chars : end]
-        sequence.emitted_chars = max(sequence.emitted_chars, end)
-        return text
+        tokens, text, reason = emitted
+        if reason is None:
+            self._emit(sequence, Event(sequence.request_id, tokens, text, seed=params.sampling.seed))
+        else:  # a stop string may end it before the scheduler would
+            self._finish(sequence, reason, tokens, text)
 
     def _finish(
         self, sequence: _Sequence, reason: str, token_ids: list[int], text: str, error: str | None = None

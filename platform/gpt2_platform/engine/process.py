@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from gpt2_platform.engine.engine import Engine
+from gpt2_platform.engine.link import Address, Outlet
 from gpt2_platform.engine.requests import (
     Deliver,
     EngineConfig,
@@ -185,15 +186,25 @@ class EngineProcess:
         params: GenerationParams,
         on_event: Callable[[Event], None],
         incremental_text: bool = True,
+        tokens_only: bool = False,
+        request_size: int = 1,
+        outlet: tuple[Address, bytes, int] | None = None,
     ) -> int:
-        """Queue a request in the child; `on_event` is called from the reader thread (or through `deliver`)."""
+        """Queue a request in the child; `on_event` is called from the reader thread (or through `deliver`).
+
+        With `outlet` (an ingress's token link address, its key and the ingress's own key for the
+        sequence) the child sends the sequence's tokens straight to that ingress (engine/link.py), and
+        `on_event` here gets only its last event, without text: this process then carries no per-token work.
+        `request_size` is ignored, as by `Engine.submit`.
+        """
         self.check_health()
         self.validate(prompt_ids, params)
         request_id = next(self._ids)
         with self._lock:
             self._pending[request_id] = on_event  # before sending: its first event may come back at once
         try:
-            self._send(("submit", request_id, list(prompt_ids), params, incremental_text))
+            message = ("submit", request_id, list(prompt_ids), params, incremental_text, tokens_only, outlet)
+            self._send(message)
         except BaseException:
             self._forget(request_id)
             raise
@@ -301,12 +312,13 @@ class EngineProcess:
 
 # ---- the child -----------------------------------------------------------------------------------
 class _RequestTag:
-    """The child's `on_event` for a request: never called (events go out in batches), it names the parent's id."""
+    """The child's `on_event` for a request: never called (events go out in batches), it names the
+    parent's id, and for a sequence whose tokens go to an ingress, the link and the ingress's key."""
 
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "outlet", "key")
 
-    def __init__(self, request_id: int) -> None:
-        self.request_id = request_id
+    def __init__(self, request_id: int, outlet: Outlet | None = None, key: int = 0) -> None:
+        self.request_id, self.outlet, self.key = request_id, outlet, key
 
     def __call__(self, event: Event) -> None:
         raise AssertionError("the engine process delivers events in batches")
@@ -345,13 +357,43 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
             conn.send(message)
 
     def deliver(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-        """On the engine thread, once per loop iteration: all of its events in one message."""
-        packed = []
+        """On the engine thread, once per loop iteration: all of its events in one message to the
+        parent, and each ingress's tokens in one message on its link."""
+        packed, outlets = [], set()
         for tag, event in batch:
+            outlet = tag.outlet
+            if outlet is not None:
+                token = event.token_ids[0] if event.token_ids else -1
+                outlet.add((tag.key, token, event.finish_reason, event.error))
+                outlets.add(outlet)
+                if event.finished:  # the parent hears only of the end (the ingress has the tokens)
+                    packed.append(
+                        _pack(
+                            tag.request_id,
+                            Event(
+                                event.request_id,
+                                [],
+                                "",
+                                event.finish_reason,
+                                event.prompt_tokens,
+                                event.completion_tokens,
+                                event.seed,
+                                event.error,
+                            ),
+                        )
+                    )
+                    finished.append(tag.request_id)
+                continue
             packed.append(_pack(tag.request_id, event))
             if event.finished:
                 finished.append(tag.request_id)
-        send(("events", packed))
+        for outlet in outlets:
+            if not outlet.send():  # its ingress is gone: free the slots of what it was sent
+                for engine_id in list(outlet.engine_ids.values()):
+                    engine.cancel(engine_id)
+                outlet.engine_ids.clear()
+        if packed:
+            send(("events", packed))
 
     try:
         engine = Engine(checkpoint.load_pretrained(spec.model), load_tokenizer(spec.tokenizer), spec.config)
@@ -375,6 +417,7 @@ def _serve_commands(
     conn: Connection, parent_pid: int, engine: Engine, send: Callable[[tuple], None], finished: deque[int]
 ) -> None:
     engine_ids: dict[int, int] = {}  # parent's request id -> the engine's, for cancel
+    outlets: dict[tuple, Outlet] = {}  # ingress address -> its token link
     last_stats, last_stats_at = None, 0.0
     while os.getppid() == parent_pid:
         if conn.poll(_POLL_S):
@@ -382,7 +425,7 @@ def _serve_commands(
             if command == "shutdown":
                 return
             if command == "submit":
-                _submit(engine, engine_ids, send, *args)
+                _submit(engine, engine_ids, outlets, send, *args)
             elif command == "cancel" and args[0] in engine_ids:
                 engine.cancel(engine_ids.pop(args[0]))  # one is enough; a waiting request never finishes
         while finished:
@@ -402,14 +445,27 @@ def _serve_commands(
 def _submit(
     engine: Engine,
     engine_ids: dict[int, int],
+    outlets: dict[tuple, Outlet],
     send: Callable[[tuple], None],
     request_id: int,
     prompt_ids: list[int],
     params: GenerationParams,
     incremental_text: bool,
+    tokens_only: bool,
+    outlet_spec: tuple[Address, bytes, int] | None,
 ) -> None:
-    tag = _RequestTag(request_id)
     try:
-        engine_ids[request_id] = engine.submit(prompt_ids, params, tag, incremental_text)
-    except (ValueError, EngineDeadError) as error:  # the parent validated; this is the engine refusing anyway
+        tag = _RequestTag(request_id)
+        if outlet_spec is not None:
+            address, authkey, key = outlet_spec
+            address = tuple(address)
+            outlet = outlets.get(address)
+            if outlet is None or outlet.closed:
+                outlet = outlets[address] = Outlet(address, authkey, engine.cancel)
+            tag = _RequestTag(request_id, outlet, key)
+        engine_id = engine.submit(prompt_ids, params, tag, incremental_text, tokens_only)
+        engine_ids[request_id] = engine_id
+        if outlet_spec is not None:
+            tag.outlet.engine_ids[tag.key] = engine_id
+    except (ValueError, EngineDeadError, OSError) as error:  # the parent validated; this is the engine refusing
         send(("events", [(request_id, [], "", "error", len(prompt_ids), 0, 0, f"engine refused: {error}")]))

@@ -1,6 +1,11 @@
-"""The Serve application: a FastAPI ingress on one deployment that owns the engine.
+"""The Serve application: FastAPI ingress replicas in front of an engine deployment.
 
     serve run deployments/gpt2.yaml
+
+`GPT2Server` replicas (CPU only, as many as the HTTP load needs) do HTTP, validation, moderation,
+tokenizing, detokenizing and SSE; `GPT2Engine` replicas (serve/engine_deployment.py, one per GPU or
+GPU share) batch every sequence the ingresses send them. A sequence is a Serve call to an engine;
+its tokens come back on the ingress's token link, one message per engine step (engine/link.py).
 
 Routes: POST /v1/completions (OpenAI, with SSE streaming), GET /v1/models and
 /v1/models/{id}, POST /generate (the seed project's simple endpoint), GET /health and
@@ -16,6 +21,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -28,20 +34,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
 from transformers import PreTrainedTokenizerBase
 
 from gpt2_platform import checkpoint
 from gpt2_platform.engine.detokenize import ByteTable
-from gpt2_platform.engine.engine import Engine, EngineDeadError, Event, GenerationParams
-from gpt2_platform.engine.process import EngineProcess
+from gpt2_platform.engine.requests import EngineDeadError, Event, GenerationParams
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.moderation import CONTENT_FILTER, CompletionGuard, Moderator, Verdict, build_moderator
-from gpt2_platform.monitoring import exporter
 from gpt2_platform.serve import errors, schemas
 from gpt2_platform.serve.autoscaling import BODIES_IN_FLIGHT
+from gpt2_platform.serve.engine_client import RemoteEngine
+from gpt2_platform.serve.engine_deployment import GPT2Engine
 from gpt2_platform.serve.errors import APIError, bad_request
 from gpt2_platform.serve.metrics import ServeMetrics
-from gpt2_platform.serve.streams import Choices, ChunkPacer, Job, run_callbacks
+from gpt2_platform.serve.streams import Choices, Job, Update, run_callbacks
 from gpt2_platform.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,9 +64,9 @@ def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-# The Retry-After of a 503 when the engine died: about the time Serve takes to notice (health_check_period_s)
-# and start a replacement replica of a small model.
-_ENGINE_DEAD_RETRY_AFTER_S = 10
+# The Retry-After of a 503 when the engine died: about the time Serve takes to notice (the engine's
+# health_check_period_s) and start a replacement replica of a small model.
+_ENGINE_DEAD_RETRY_AFTER_S = 5
 
 
 def _engine_failed(event: Event) -> APIError:
@@ -107,15 +114,17 @@ def _local_path(name: str, field: str) -> str:
 @serve.deployment(health_check_period_s=10, health_check_timeout_s=30)
 @serve.ingress(app)
 class GPT2Server:
-    """One replica: the model, its engine and the HTTP routes.
+    """One ingress replica: the HTTP routes, in front of the engine deployment.
 
-    No @serve.batch: the engine batches continuously on its own thread. A request
-    joins the running batch at the next decode step and leaves at the step it
-    finishes; @serve.batch would instead gather requests into a batch and run it
-    to the end, so a short request would wait for the longest one in its batch.
+    No @serve.batch: the engine batches continuously. A request joins the running
+    batch at the next decode step and leaves at the step it finishes; @serve.batch
+    would instead gather requests into a batch and run it to the end, so a short
+    request would wait for the longest one in its batch.
     """
 
-    def __init__(self, args: schemas.AppArgs, moderator: Moderator | None = None) -> None:
+    def __init__(
+        self, args: schemas.AppArgs, moderator: Moderator | None = None, engine: DeploymentHandle | None = None
+    ) -> None:
         self.args, self.limits, self.model_name = args, args.limits, args.model_name
         self.moderator = moderator  # built once by the app builder from args.moderation
         self.api_key = errors.read_api_key(args.api_key_env)
@@ -124,17 +133,21 @@ class GPT2Server:
         # prompts tokenize there and the event loop keeps serving the others meanwhile.
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpt2-tokenize")
         self._max_token_bytes = _longest_token_bytes(self.tokenizer)
-        config = args.engine
-        # start() warms every batch and span shape (and captures the CUDA graphs) before this
-        # constructor returns, so the replica reports healthy only once it serves at full speed.
-        self.engine = Engine(checkpoint.load_pretrained(args.model), self.tokenizer, config).start()
+        if engine is None:
+            raise ValueError("GPT2Server needs the engine deployment's handle: build the app with build_app")
+        model_config = checkpoint.read_config(checkpoint.resolve(args.model, allow_patterns=[checkpoint.CONFIG_NAME]))
+        self.engine = RemoteEngine(
+            engine,
+            self.tokenizer,
+            max_seq_len=args.engine.max_seq_len or model_config.n_positions,
+            vocab_size=model_config.vocab_size,
+            capacity=lambda: args.engine.max_batch_size + self.limits.max_waiting,
+        )
         self.metrics = ServeMetrics(self.model_name)
         self._delivery_loop: asyncio.AbstractEventLoop | None = None
         self._bodies_in_flight = 0  # requests whose bodies are still arriving (autoscaling leaves them out)
-        exporter.start_if_wanted(args.gpu_monitor)  # idempotent: the first replica starts them, others reuse them
-        self.metrics.start_sampling(self.engine.stats)
         self.created = schemas.now_s()
-        logger.info("serving %s from %s (%s)", self.model_name, args.model, config)
+        logger.info("serving %s from %s (engine %s)", self.model_name, args.model, args.engine)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Live limits: the deployment's `user_config`, key by key over the builder's `limits`."""
@@ -149,12 +162,12 @@ class GPT2Server:
         return {BODIES_IN_FLIGHT: float(self._bodies_in_flight)}
 
     def check_health(self) -> None:
-        """Serve calls this periodically; an engine whose loop died makes Serve replace the replica."""
-        self.engine.check_health()
+        """Serve calls this periodically. Only this replica's own parts count: an engine that failed is
+        the engine deployment's to replace, and this replica answers 503 meanwhile."""
+        if not self.engine.inlet.alive():
+            raise RuntimeError("this replica's token link stopped accepting engines")
 
     def __del__(self) -> None:
-        if hasattr(self, "metrics"):
-            self.metrics.stop()
         if hasattr(self, "engine"):
             self.engine.shutdown()
         if hasattr(self, "_tokenize_pool"):
@@ -205,7 +218,7 @@ class GPT2Server:
         except APIError as error:
             response = error.response()
         except EngineDeadError as error:
-            message = f"{error}; this replica is being replaced, retry the request"
+            message = f"{error}; retry the request"
             response = errors.unavailable(message, _ENGINE_DEAD_RETRY_AFTER_S, "engine_failed").response()
         except asyncio.CancelledError:
             self.metrics.record_request(route, 499)  # the client went away
@@ -232,7 +245,7 @@ class GPT2Server:
         for job in jobs:
             self._validate(job, length_param="max_tokens")
         await self._check_prompts(body.prompt_list())
-        choices = self._admit(jobs)
+        choices = await self._admit(jobs)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", schemas.now_s()
         prompt_tokens = sum(len(prompt) for prompt in prompts)
         if body.stream:
@@ -260,7 +273,7 @@ class GPT2Server:
         job = Job(prompt, GenerationParams(max_tokens, sampling=self._sampling(temperature=body.temperature)))
         self._validate(job, length_param="max_length")
         await self._check_prompts([body.prompt])
-        outputs, _ = await self._collect(self._admit([job]), 1)
+        outputs, _ = await self._collect(await self._admit([job]), 1)
         text = body.prompt + outputs[0]["text"]
         response = {"generated_text": text, "inference_time": time.perf_counter() - started_at}
         if outputs[0]["finish_reason"] == CONTENT_FILTER:  # the continuation was withheld
@@ -288,12 +301,14 @@ class GPT2Server:
         )
 
     async def _engine_stats(self, request: Request) -> Response:
+        """One engine replica's counters (Serve picks which), and this ingress replica's own."""
         context = serve.get_replica_context()
-        replica = context.replica_id.unique_id if context is not None else None
-        # engine_pid: the engine's child process with engine_process, else null (it runs in the replica).
-        engine_pid = self.engine.pid if isinstance(self.engine, EngineProcess) else None
-        stats = {**self.engine.stats(), "max_batch_size": self.args.engine.max_batch_size, "replica": replica}
-        return JSONResponse({**stats, "replica_pid": os.getpid(), "engine_pid": engine_pid})
+        ingress = {
+            "replica": context.replica_id.unique_id if context is not None else None,
+            "pid": os.getpid(),
+            **self.engine.stats(),
+        }
+        return JSONResponse({**await self.engine.engine_stats(), "ingress": ingress})
 
     # ---- turning a request into engine work ----------------------------------------------------
     async def _encode(self, text: str, param: str, reserve: int, length_param: str = "max_tokens") -> list[int]:
@@ -383,28 +398,34 @@ class GPT2Server:
                     f"{which} was refused by this server's content policy ({verdict.reason})"
                 )
 
-    def _admit(self, jobs: list[Job]) -> Choices:
-        """Submit the jobs, or refuse with 429 when the engine's waiting line is full.
+    async def _admit(self, jobs: list[Job]) -> Choices:
+        """Submit the jobs and wait until each has its first event: a token, or the engine's refusal.
 
-        The bound is ours (max_batch_size running plus `max_waiting` waiting), so an
-        overloaded replica answers at once instead of growing an unbounded queue.
-        A request larger than the whole bound still runs when the engine is idle.
+        An engine holding max_batch_size running plus `max_waiting` waiting sequences refuses more,
+        and the request gets 429 with Retry-After at once instead of joining an unbounded queue. (A
+        request larger than that whole bound still runs on an idle engine.) Waiting for the first
+        events before answering lets a refusal or a failed engine still be a status code.
         """
-        stats = self.engine.stats()
-        in_engine = stats["running"] + stats["waiting"]
-        capacity = self.args.engine.max_batch_size + self.limits.max_waiting
-        if in_engine and in_engine + len(jobs) > capacity:
+        self._deliver_on_this_loop()
+        choices = Choices(self.engine, jobs, self.metrics)
+        try:
+            first = await choices.started()
+        except BaseException:  # the client went away meanwhile
+            choices.cancel()
+            raise
+        if first is None:
+            return choices
+        choices.cancel()
+        if first.finish_reason == "refused":
             retry_after = self.limits.retry_after_s
             raise APIError(
                 429,
-                f"the server is busy ({stats['running']} sequences running, {stats['waiting']} waiting); "
-                f"retry in {retry_after} s",
+                f"the server is busy: {first.error}; retry in {retry_after} s",
                 errors.RATE_LIMIT,
                 code="overloaded",
                 headers={"Retry-After": str(retry_after)},
             )
-        self._deliver_on_this_loop()
-        return Choices(self.engine, jobs, self.metrics)
+        raise _engine_failed(first)
 
     def _deliver_on_this_loop(self) -> None:
         """Have the engine hand each step's events to this event loop in one hop (Serve runs every
@@ -426,14 +447,18 @@ class GPT2Server:
         reasons: list[str | None] = [None] * num_choices
         seeds: list[int | None] = [None] * num_choices
         completion_tokens = 0
-        async with contextlib.aclosing(choices.events()) as events:
-            async for index, event in events:
-                if event.finish_reason == "error":
-                    raise _engine_failed(event)
-                texts[index].append(event.text)
-                if event.finished:
-                    reasons[index], seeds[index] = event.finish_reason, event.seed
-                    completion_tokens += event.completion_tokens
+        # No interval: this coroutine wakes for each choice's first token and its end, not per token.
+        async with contextlib.aclosing(choices.updates(interval_s=math.inf)) as updates:
+            async for batch in updates:
+                for update in batch:
+                    texts[update.index].append(update.text)
+                    end = update.end
+                    if end is None:
+                        continue
+                    if end.finish_reason == "error":
+                        raise _engine_failed(end)
+                    reasons[update.index], seeds[update.index] = end.finish_reason, end.seed
+                    completion_tokens += end.completion_tokens
         outputs = [schemas.choice(i, "".join(texts[i]), reasons[i], seeds[i]) for i in range(num_choices)]
         if self.moderator is not None and self.moderator.checks_completions:
             for output in outputs:
@@ -445,62 +470,69 @@ class GPT2Server:
     async def _stream(
         self, choices: Choices, request_id: str, created: int, prompt_tokens: int | None
     ) -> AsyncIterator[str]:
-        """SSE chunks, one per text delta or finish, then the usage (if asked for) and [DONE].
+        """SSE chunks, one per choice per update, then the usage (if asked for) and [DONE].
 
-        Chunks go out as soon as no further event is waiting (and, with limits.stream_interval_ms,
-        at most that often); the ones that piled up meanwhile go out together, in one body message.
-        Every message is an object that Serve sends on to the proxy, and one per token per request
-        costs more host time than the decode step that made the token.
+        A chunk carries all the text its choice made since the last one: a first token and an end
+        go out at once, the rest at most every limits.stream_interval_ms (0: as soon as it comes).
+        Each chunk costs this process a JSON encoding and a write, more host time than the token
+        that made it, so packing tokens is what lets one ingress carry hundreds of streams.
 
-        A client that disconnects makes Serve cancel this generator; closing
-        `choices.events()` then cancels the sequences, freeing their slots at the next step.
+        A client that disconnects makes Serve cancel this generator; closing `choices.updates()`
+        then cancels the sequences, freeing their slots within a step.
         """
         completion_tokens = 0
         guards: dict[int, CompletionGuard] = {}
         filtered: set[int] = set()
-        pending: list[str] = []
-        pacer = ChunkPacer(self.limits.stream_interval_ms / 1000)
-        async with contextlib.aclosing(choices.events()) as events:
-            async for index, event in events:
-                if event.finish_reason == "error":
-                    pending.append(_sse(_engine_failed(event).body()))
+        interval_s = self.limits.stream_interval_ms / 1000
+        failed = None
+        async with contextlib.aclosing(choices.updates(interval_s)) as updates:
+            async for batch in updates:
+                chunks = []
+                for update in batch:
+                    end = update.end
+                    if end is not None and end.finish_reason == "error":
+                        failed = end
+                        break
+                    if end is not None:
+                        completion_tokens += end.completion_tokens
+                    if update.index in filtered:
+                        continue  # moderation stopped it: drop what its sequence sent before the cancel took effect
+                    text, finish_reason = await self._moderate_delta(choices, guards, update)
+                    if finish_reason == CONTENT_FILTER:
+                        filtered.add(update.index)
+                    if text or finish_reason:
+                        # The seed goes with the choice's last chunk (the one with its finish_reason).
+                        seed = end.seed if finish_reason and end is not None else None
+                        output = schemas.choice(update.index, text, finish_reason, seed)
+                        chunks.append(_sse(schemas.completion(request_id, created, self.model_name, [output], None)))
+                if failed is not None:
+                    chunks.append(_sse(_engine_failed(failed).body()))
+                if chunks:
+                    yield "".join(chunks)
+                if failed is not None:
                     break
-                if event.finished:
-                    completion_tokens += event.completion_tokens
-                if index in filtered:
-                    continue  # moderation stopped it: drop what its sequence sent before the cancel took effect
-                text, finish_reason = await self._moderate_delta(choices, guards, index, event)
-                if finish_reason == CONTENT_FILTER:
-                    filtered.add(index)
-                if text or finish_reason:
-                    # The seed goes with the choice's last chunk (the one with its finish_reason).
-                    output = schemas.choice(index, text, finish_reason, event.seed if finish_reason else None)
-                    pending.append(_sse(schemas.completion(request_id, created, self.model_name, [output], None)))
-                if pending and pacer.ready(not choices.queue.empty(), not choices.unfinished):
-                    yield "".join(pending)
-                    pending.clear()
-        if pending:
-            yield "".join(pending)
-        if prompt_tokens is not None:
+        if prompt_tokens is not None and failed is None:
             usage = schemas.usage(prompt_tokens, completion_tokens)
             yield _sse(schemas.completion(request_id, created, self.model_name, [], usage))
         yield _sse("[DONE]")
 
     async def _moderate_delta(
-        self, choices: Choices, guards: dict[int, CompletionGuard], index: int, event: Event
+        self, choices: Choices, guards: dict[int, CompletionGuard], update: Update
     ) -> tuple[str, str | None]:
-        """A streamed event as moderation lets it out: the text to send now, and the finish reason.
+        """A streamed update as moderation lets it out: the text to send now, and the finish reason.
 
         A blocked choice ends with finish_reason content_filter and its sequence is cancelled, freeing its slot.
         """
+        finish_reason = update.end.finish_reason if update.end is not None else None
         if self.moderator is None or not self.moderator.checks_completions:
-            return event.text, event.finish_reason
-        guard = guards.setdefault(index, CompletionGuard(self.moderator))
-        text, verdict = await self._moderate(guard.feed, event.text, event.finished)
+            return update.text, finish_reason
+        guard = guards.setdefault(update.index, CompletionGuard(self.moderator))
+        text, verdict = await self._moderate(guard.feed, update.text, update.end is not None)
         if verdict is None:
-            return text, event.finish_reason
+            return text, finish_reason
         self.metrics.record_moderation_block("completion")
-        choices.cancel_one(index)
+        if update.end is None:
+            choices.cancel_one(update.index)
         return "", CONTENT_FILTER
 
 
@@ -543,8 +575,11 @@ def _check_api_key_env(args: schemas.AppArgs, options: dict[str, Any]) -> None:
     logger.warning("%s (the replicas refuse to start unless their environment has it)", message)
 
 
-def gpt2_deployment(args: schemas.AppArgs | dict[str, Any], **options: Any) -> Application:
-    """The application with Serve deployment options given from Python (what the YAML's `deployments:` sets)."""
+def gpt2_deployment(
+    args: schemas.AppArgs | dict[str, Any], engine_options: dict[str, Any] | None = None, **options: Any
+) -> Application:
+    """The application with Serve deployment options given from Python (what the YAML's `deployments:`
+    sets): `options` for the ingress (GPT2Server), `engine_options` for the engine (GPT2Engine)."""
     if not isinstance(args, schemas.AppArgs):
         args = schemas.AppArgs.model_validate(args)
     _check_api_key_env(args, options)
@@ -555,9 +590,16 @@ def gpt2_deployment(args: schemas.AppArgs | dict[str, Any], **options: Any) -> A
     _check_checkpoint(args.model)
     options.setdefault("max_ongoing_requests", default_max_ongoing_requests(args))
     options.setdefault("user_config", args.limits.model_dump())
+    engine_options = dict(engine_options or {})
+    # Each sequence is one call that lasts as long as it runs: room for every sequence an engine may hold
+    # before it refuses more itself (429 JSON, where Serve's own queue-full 503 is plain text).
+    engine_options.setdefault("max_ongoing_requests", default_max_ongoing_requests(args))
     # Read the blocklist and import the callable here, once: a mistake stops `serve run` before any replica starts.
     moderator = build_moderator(args.moderation)
-    return GPT2Server.options(**options).bind(args, moderator)
+    engine = GPT2Engine.options(**engine_options).bind(
+        args.model, args.tokenizer or args.model, args.engine, args.model_name, args.gpu_monitor
+    )
+    return GPT2Server.options(**options).bind(args, moderator, engine)
 
 
 def _check_checkpoint(model: str) -> None:

@@ -7,8 +7,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from gpt2_platform.engine.engine import Engine, Event, GenerationParams
-from gpt2_platform.engine.process import EngineProcess
+from gpt2_platform.engine.protocol import GenerationEngine
+from gpt2_platform.engine.requests import Event, GenerationParams
 from gpt2_platform.serve.metrics import ServeMetrics
 
 
@@ -20,43 +20,121 @@ class Job:
     params: GenerationParams
 
 
-class Choices:
-    """The sequences of one request, submitted to the engine together, their events merged as they come.
+# First events that mean a request never ran: the engine was full, or it failed.
+_REFUSALS = ("refused", "error")
 
-    Submitting here, synchronously, right after the admission check (rather than
-    when a stream is first iterated) keeps the check and the engine's queue in
-    step: no other request can slip in between on this event loop.
+
+@dataclass
+class Update:
+    """What one sequence made since the last update: its new text, and its last event if it ended."""
+
+    index: int
+    text: str
+    end: Event | None
+
+
+class Choices:
+    """The sequences of one request, submitted to the engine together, their output gathered as it comes.
+
+    Events only append to a sequence's pending text; the request's coroutine wakes for the first
+    token of each sequence and for each end at once, and otherwise at most once per interval,
+    however many tokens came meanwhile. So the work per token here is an append, and the work per
+    wake-up (building and sending a chunk) is paid per interval, not per token.
     """
 
-    def __init__(self, engine: Engine | EngineProcess, jobs: list[Job], metrics: ServeMetrics) -> None:
-        loop = asyncio.get_running_loop()
+    def __init__(self, engine: GenerationEngine, jobs: list[Job], metrics: ServeMetrics) -> None:
+        self._loop = asyncio.get_running_loop()
         self.engine, self.metrics = engine, metrics
-        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self._first: dict[int, Event] = {}  # each sequence's first event, until every one has had it
+        self._all_started = asyncio.Event()
+        self._texts: dict[int, list[str]] = {}
+        self._ends: dict[int, Event] = {}
+        self._urgent = False  # a first token or an end is pending: no waiting for the interval
+        self._waiter: asyncio.Future[None] | None = None
+        self._waiter_takes_any = False
         self.started_at = time.perf_counter()
         self.first_token_at: dict[int, float] = {}
         self.request_ids: list[int] = []
         self.unfinished = set(range(len(jobs)))
         try:
             for index, job in enumerate(jobs):
-                on_event = self._deliver_to(loop, index)
-                self.request_ids.append(engine.submit(job.prompt, job.params, on_event))
+                size = len(jobs) if index == 0 else 0  # the engine admits the request whole or not at all
+                on_event = self._on_event_of(index)
+                self.request_ids.append(engine.submit(job.prompt, job.params, on_event, request_size=size))
         except BaseException:
             self.cancel()
             raise
 
-    def _deliver_to(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable[[Event], None]:
+    def _on_event_of(self, index: int) -> Callable[[Event], None]:
         # Called on this event loop: the engine hands each step's events over in one hop (deliver_in_batches).
-        return lambda event: self.queue.put_nowait((index, event))
+        def on_event(event: Event) -> None:
+            if not self._all_started.is_set() and index not in self._first:
+                self._first[index] = event
+                if len(self._first) == len(self.unfinished) or event.finish_reason in _REFUSALS:
+                    self._all_started.set()
+            if index not in self.unfinished:
+                return  # cancelled here already
+            urgent = False
+            if index not in self.first_token_at:
+                now = time.perf_counter()
+                if not self.first_token_at:
+                    self.metrics.record_first_token(now - self.started_at)
+                self.first_token_at[index] = now
+                urgent = True
+            if event.text:
+                self._texts.setdefault(index, []).append(event.text)
+            if event.finished:
+                self.unfinished.discard(index)
+                self._ends[index] = event
+                decode_s = time.perf_counter() - self.first_token_at[index]
+                self.metrics.record_sequence(event.prompt_tokens, event.completion_tokens, decode_s)
+                urgent = True
+            elif not event.text:
+                return  # nothing to send yet (a token in the middle of a character)
+            self._urgent = self._urgent or urgent
+            waiter = self._waiter
+            if waiter is not None and not waiter.done() and (urgent or self._waiter_takes_any):
+                waiter.set_result(None)
 
-    async def events(self) -> AsyncIterator[tuple[int, Event]]:
-        """(choice index, event) until every sequence finished; closing early cancels the rest."""
+        return on_event
+
+    async def started(self) -> Event | None:
+        """Wait until every sequence has had its first event; the first refusal or failure, if any."""
+        await self._all_started.wait()
+        return next((event for event in self._first.values() if event.finish_reason in _REFUSALS), None)
+
+    async def updates(self, interval_s: float) -> AsyncIterator[list[Update]]:
+        """What the sequences made, in batches: at once for a first token or an end, otherwise at most
+        every `interval_s` (0: whenever anything came); until every sequence ended. Closing the
+        iterator early cancels the sequences still running."""
+        last_at: float | None = None
         try:
-            while self.unfinished:
-                index, event = await self.queue.get()
-                self._record(index, event)
-                yield index, event
+            while self._texts or self._ends or self.unfinished:
+                if not self._texts and not self._ends:
+                    await self._wait(None)
+                    continue
+                if not self._urgent and last_at is not None:
+                    remaining = last_at + interval_s - time.perf_counter()
+                    if remaining > 0:
+                        await self._wait(remaining)  # an urgent event cuts it short
+                        continue
+                texts, ends = self._texts, self._ends
+                self._texts, self._ends, self._urgent = {}, {}, False
+                last_at = time.perf_counter()
+                yield [Update(i, "".join(texts.get(i, ())), ends.get(i)) for i in sorted(texts.keys() | ends.keys())]
         finally:
             self.cancel()
+
+    async def _wait(self, timeout_s: float | None) -> None:
+        waiter = self._waiter = self._loop.create_future()
+        self._waiter_takes_any = timeout_s is None
+        timer = None if timeout_s is None else self._loop.call_later(timeout_s, _settle, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     def cancel_one(self, index: int) -> None:
         """Free one sequence's slot early (moderation stopped it); its last event still arrives."""
@@ -68,34 +146,10 @@ class Choices:
             if index < len(self.request_ids):
                 self.engine.cancel(self.request_ids[index])
 
-    def _record(self, index: int, event: Event) -> None:
-        now = time.perf_counter()
-        if not self.first_token_at:
-            self.metrics.record_first_token(now - self.started_at)
-        first = self.first_token_at.setdefault(index, now)
-        if event.finished:
-            self.unfinished.discard(index)
-            self.metrics.record_sequence(event.prompt_tokens, event.completion_tokens, now - first)
 
-
-class ChunkPacer:
-    """When a stream's pending chunks go out: as soon as nothing else waits, at most every `interval_s`.
-
-    The first chunk (time to first token) and the last one are never held back.
-    """
-
-    def __init__(self, interval_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.interval_s, self.clock = interval_s, clock
-        self.last_sent: float | None = None
-
-    def ready(self, more_waiting: bool, finished: bool) -> bool:
-        if more_waiting and not finished:
-            return False
-        now = self.clock()
-        if finished or self.last_sent is None or now - self.last_sent >= self.interval_s:
-            self.last_sent = now
-            return True
-        return False
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def run_callbacks(batch: list[tuple[Callable[[Event], None], Event]]) -> None:

@@ -1,0 +1,184 @@
+"""The token link: an engine's tokens straight to the process that serves their HTTP responses.
+
+A Serve app here is several ingress replicas (HTTP, JSON, text) in front of one engine per GPU.
+Requests go to an engine through Serve (which picks the least-loaded one and notices when one
+dies); their tokens come back over this link, one message per engine step per ingress carrying
+every token that step made for that ingress's sequences. A Ray object per token, or per SSE chunk,
+would cost the engine's process more host time than the step that made the token.
+
+The ingress listens (`Inlet`); each engine connects to it the first time it gets one of its
+requests (`Outlet`), on a TCP socket authenticated by a key the ingress hands out with each
+request through Serve (which Ray's own authentication covers), so no other process can inject or
+read tokens. The ingress sends cancels back on the same connection; they reach the engine's
+process within a step, without a Ray call.
+
+Messages are pickled lists, so only the two authenticated ends ever unpickle them. A token record is
+`(key, token, finish_reason, error)`: `token` is -1 when there is none (an abort or a failure),
+and `finish_reason` is None while the sequence goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+
+logger = logging.getLogger(__name__)
+
+Record = tuple[int, int, str | None, str | None]
+"""(key, token or -1, finish reason or None, error or None)"""
+
+Address = tuple[str, int]
+
+
+def new_authkey() -> bytes:
+    return secrets.token_bytes(32)
+
+
+class Inlet:
+    """The ingress's end: accepts engines' connections and hands each message to `on_message` from
+    a reader thread (the receiver hops to its event loop itself); `on_lost` when a connection ends."""
+
+    def __init__(
+        self,
+        host: str,
+        on_message: Callable[[Link, list[Record]], None],
+        on_lost: Callable[[Link], None],
+    ) -> None:
+        self.authkey = new_authkey()
+        self.on_message, self.on_lost = on_message, on_lost
+        # No authkey on the listener itself: it would authenticate inside accept(), so one client that
+        # connects and says nothing would stall every engine's connection behind it.
+        self._listener = Listener((host, 0), family="AF_INET")
+        self.address: Address = self._listener.address
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="gpt2-inlet", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                logger.exception("the token link's listener failed")
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="gpt2-inlet-reader", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+        except Exception as error:  # a wrong key, or not our protocol at all
+            logger.warning("refused a token link connection: %r", error)
+            conn.close()
+            return
+        _no_delay(conn)
+        link = Link(conn)
+        try:
+            while True:
+                self.on_message(link, conn.recv())
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            logger.exception("the token link from an engine failed")
+        link.closed = True
+        conn.close()
+        self.on_lost(link)
+
+
+class Link:
+    """One engine's connection as the ingress holds it: what it was sent, and the way to send cancels back."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.keys: set[int] = set()  # this ingress's sequences that the engine on this link runs
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def cancel(self, key: int) -> None:
+        if self.closed:
+            return
+        try:
+            with self._lock:
+                self.conn.send(("cancel", key))
+        except OSError:
+            self.closed = True  # the reader sees the end too and fails what is left
+
+
+class Outlet:
+    """The engine's end of one ingress's link: records gathered during a step, sent as one message.
+
+    `send` runs on the engine's thread once per step. A link that fails (its ingress is gone) is
+    closed, and `on_lost` gets the engine ids of its sequences so the engine can drop them.
+    """
+
+    def __init__(self, address: Address, authkey: bytes, on_cancel: Callable[[int], None]) -> None:
+        self.address = address
+        self.conn = Client(tuple(address), family="AF_INET", authkey=authkey)
+        # Small messages, one per step: Nagle's delay would hold each for the previous one's ACK.
+        _no_delay(self.conn)
+        self.on_cancel = on_cancel
+        self.engine_ids: dict[int, int] = {}  # key -> the engine's request id, for the ingress's cancels
+        self.pending: list[Record] = []
+        self.closed = False
+        self._reader = threading.Thread(target=self._read, name="gpt2-outlet-reader", daemon=True)
+        self._reader.start()
+
+    def add(self, record: Record) -> None:
+        self.pending.append(record)
+        if record[2] is not None:
+            self.engine_ids.pop(record[0], None)
+
+    def send(self) -> bool:
+        """Send what the step gathered; False if the link is gone (the caller drops its sequences)."""
+        if not self.pending or self.closed:
+            self.pending.clear()
+            return not self.closed
+        records, self.pending = self.pending, []
+        try:
+            self.conn.send(records)
+            return True
+        except OSError as error:
+            logger.warning("token link to %s lost: %r", self.address, error)
+            self.closed = True
+            return False
+
+    def close(self) -> None:
+        self.closed = True
+        self.conn.close()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                command, key = self.conn.recv()
+                if command == "cancel" and key in self.engine_ids:
+                    self.on_cancel(self.engine_ids.pop(key))
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            logger.exception("token link from %s sent something unexpected", self.address)
+        if not self.closed:
+            self.closed = True
+            for engine_id in list(self.engine_ids.values()):  # the ingress is gone: free its slots
+                self.on_cancel(engine_id)
+            self.engine_ids.clear()
+
+
+def _no_delay(conn: Connection) -> None:
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.detach()  # the fd stays the connection's

@@ -1,0 +1,273 @@
+"""The engine deployment as an ingress replica sees it: the engine interface, over Serve and a token link.
+
+`RemoteEngine` meets the same interface as the in-process `Engine` and the `EngineProcess`
+(engine/protocol.py), so the HTTP code does not know where its engine runs. A sequence is
+submitted as one Serve call to the engine deployment (Serve picks the less loaded engine); its
+tokens arrive on this replica's token link (engine/link.py) and are turned into text here
+(engine/output.py), stop strings included, on the replica's event loop. Only how the sequence
+ended comes back as the call's result.
+
+Failures: a link that drops (the engine's process died) or a call that fails (its replica died)
+ends the sequences it carried with an "error" event at once. From then on `check_health` raises
+(the server answers 503 with Retry-After) until an engine answers a ping again, so new requests
+are refused promptly instead of waiting in Serve's queue for a replica that is still starting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from transformers import PreTrainedTokenizerBase
+
+from gpt2_platform.engine.detokenize import ByteTable
+from gpt2_platform.engine.link import Inlet, Link, Record
+from gpt2_platform.engine.output import TextOutput
+from gpt2_platform.engine.requests import Deliver, EngineDeadError, Event, GenerationParams, validate_request
+
+logger = logging.getLogger(__name__)
+
+# How long a sequence whose call has returned may wait for its last tokens on the link (the two
+# travel separately), and how often a replica that saw the engine fail asks whether it is back.
+_LINK_GRACE_S = 5.0
+_PING_INTERVAL_S = 0.5
+_PING_TIMEOUT_S = 2.0
+
+
+@dataclass
+class _Remote:
+    on_event: Callable[[Event], None]
+    output: TextOutput
+    prompt_tokens: int
+    seed: int
+    link_stop: bool  # stop strings: this side ends the sequence and tells the engine
+    response: DeploymentResponse | None = None
+    link: Link | None = None
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+
+class RemoteEngine:
+    def __init__(
+        self,
+        handle: DeploymentHandle,
+        tokenizer: PreTrainedTokenizerBase,
+        max_seq_len: int,
+        vocab_size: int,
+        capacity: Callable[[], int],
+    ) -> None:
+        """`capacity()`: the sequences an engine may hold (running and waiting) before it refuses more
+        (the server's live limits decide it)."""
+        self.handle, self.tokenizer = handle, tokenizer
+        self.max_seq_len, self.vocab_size, self.capacity = max_seq_len, vocab_size, capacity
+        self.eos_token_id = tokenizer.eos_token_id
+        self.byte_table = ByteTable.of(tokenizer)
+        self._ids = itertools.count(1)
+        self._sequences: dict[int, _Remote] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deliver: Deliver | None = None
+        self._down: str | None = None  # why the engine is thought unavailable; None: serving
+        self._pinging = False
+        self.inlet = Inlet(ray.util.get_node_ip_address(), self._from_link, self._link_lost)
+
+    # ---- the engine interface ----------------------------------------------------------------
+    def check_health(self) -> None:
+        if self._down is not None:
+            raise EngineDeadError(f"the engine is unavailable ({self._down}); it is being restarted")
+        if not self.inlet.alive():
+            raise EngineDeadError("this replica's token link stopped")
+
+    def deliver_in_batches(self, deliver: Deliver) -> None:
+        self._deliver = deliver
+
+    def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
+        validate_request(prompt_ids, params, self.max_seq_len, self.vocab_size)
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        on_event: Callable[[Event], None],
+        incremental_text: bool = True,
+        request_size: int = 1,
+    ) -> int:
+        """Send one sequence to an engine; `on_event` gets its events on this event loop.
+
+        `request_size`: the sequences of one request are submitted together, the first with their
+        number and the rest with 0. The engine refuses the request at its first sequence unless it
+        is idle or has room for all of them; the rest are never refused, so a request runs whole or
+        not at all, and one larger than the whole bound still runs on an idle engine."""
+        self._loop = self._loop or asyncio.get_running_loop()
+        self.check_health()
+        # The seed is fixed here, so the response can report it before the engine's last word.
+        sampling = params.sampling.resolved()
+        self.validate(prompt_ids, params)
+        key = next(self._ids)
+        output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
+        sequence = _Remote(on_event, output, len(prompt_ids), sampling.seed, bool(params.stop))
+        engine_params = GenerationParams(params.max_tokens, (), params.ignore_eos, sampling)
+        self._sequences[key] = sequence
+        outlet = (self.inlet.address, self.inlet.authkey, key)
+        room = self.capacity() - request_size + 1 if request_size else None
+        sequence.response = self.handle.generate.remote(outlet, list(prompt_ids), engine_params, room)
+        self._loop.create_task(self._watch(key, sequence))
+        return key
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a sequence: its "abort" event comes at once; the engine frees its slot within a step."""
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is None:
+            return
+        self._release(request_id, sequence)
+        self._hand_over([(sequence.on_event, self._final(request_id, sequence, [], "", "abort"))])
+
+    def stats(self) -> dict[str, Any]:
+        """What this replica has in flight; the engines' own counters come from `engine_stats`."""
+        return {"in_flight": len(self._sequences)}
+
+    async def engine_stats(self) -> dict[str, Any]:
+        return await self.handle.stats.remote()
+
+    def shutdown(self) -> None:
+        self.inlet.close()
+
+    # ---- tokens in ---------------------------------------------------------------------------
+    def _from_link(self, link: Link, records: list[Record]) -> None:
+        """On the link's reader thread: hop to the event loop once per message (one per engine step)."""
+        self._loop.call_soon_threadsafe(self._take, link, records)
+
+    def _take(self, link: Link, records: list[Record]) -> None:
+        batch: list[tuple[Callable[[Event], None], Event]] = []
+        sequences = self._sequences
+        for key, token, reason, error in records:
+            sequence = sequences.get(key)
+            if sequence is None:
+                continue  # finished here already (a stop string, a cancel): the engine's tail is dropped
+            if sequence.link is None:
+                sequence.link = link
+                link.keys.add(key)
+            if token < 0:  # aborted or failed in the engine
+                del sequences[key]
+                link.keys.discard(key)
+                batch.append((sequence.on_event, self._final(key, sequence, [], "", reason or "error", error)))
+                continue
+            emitted = sequence.output.add(token, reason is not None)
+            if emitted is None:
+                continue
+            tokens, text, finish = emitted
+            if finish is None:
+                batch.append((sequence.on_event, Event(key, tokens, text, seed=sequence.seed)))
+                continue
+            del sequences[key]
+            link.keys.discard(key)
+            if reason is None:  # a stop string ended it here, before the engine would have
+                self._release(key, sequence)
+            batch.append((sequence.on_event, self._final(key, sequence, tokens, text, finish)))
+        self._hand_over(batch)
+
+    def _final(
+        self, key: int, sequence: _Remote, tokens: list[int], text: str, reason: str, error: str | None = None
+    ) -> Event:
+        return Event(
+            key,
+            tokens,
+            text,
+            finish_reason=reason,
+            prompt_tokens=sequence.prompt_tokens,
+            completion_tokens=len(sequence.output.generated),
+            seed=sequence.seed,
+            error=error,
+        )
+
+    def _hand_over(self, batch: list[tuple[Callable[[Event], None], Event]]) -> None:
+        if not batch:
+            return
+        if self._deliver is not None:
+            self._deliver(batch)
+            return
+        for on_event, event in batch:
+            on_event(event)
+
+    def _release(self, key: int, sequence: _Remote) -> None:
+        """Tell the engine a sequence is over here: on its link (within a step) and by cancelling its call."""
+        if sequence.link is not None:
+            sequence.link.keys.discard(key)
+            sequence.link.cancel(key)
+        if sequence.response is not None:
+            sequence.response.cancel()
+
+    # ---- failures ----------------------------------------------------------------------------
+    async def _watch(self, key: int, sequence: _Remote) -> None:
+        """Wait for the sequence's call; a refusal or a failure ends it here."""
+        assert sequence.response is not None
+        try:
+            result = await sequence.response
+        except asyncio.CancelledError:
+            return
+        except Exception as error:  # the replica died, or Serve could not reach one
+            if self._sequences.get(key) is not sequence:
+                return  # finished (or cancelled) already; the call's end is only its echo
+            self._engine_failed(f"{type(error).__name__}: {error}".splitlines()[0])
+            result = {"error": f"the engine failed ({type(error).__name__}); retry the request"}
+        if self._sequences.get(key) is not sequence:
+            return
+        if "refused" in result:
+            self._end(key, sequence, "refused", f"the engine is busy ({result['refused']})")
+        elif result.get("error") and result.get("finish_reason") in (None, "error"):
+            self._end(key, sequence, "error", result["error"])
+        else:  # it ended; its last tokens may still be on their way over the link
+            self._loop.call_later(_LINK_GRACE_S, self._expire, key, sequence)
+
+    def _expire(self, key: int, sequence: _Remote) -> None:
+        if self._sequences.get(key) is sequence:
+            logger.error("sequence %d ended in the engine but its last tokens never arrived", key)
+            self._end(key, sequence, "error", "the engine's output for this sequence was lost; retry the request")
+
+    def _end(self, key: int, sequence: _Remote, reason: str, error: str) -> None:
+        del self._sequences[key]
+        if sequence.link is not None:
+            sequence.link.keys.discard(key)
+        self._hand_over([(sequence.on_event, self._final(key, sequence, [], "", reason, error))])
+
+    def _link_lost(self, link: Link) -> None:
+        """On the reader thread, when an engine's connection ends: its sequences fail (on the loop)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_link, link)
+
+    def _fail_link(self, link: Link) -> None:
+        failed = [(key, self._sequences.get(key)) for key in list(link.keys)]
+        failed = [(key, sequence) for key, sequence in failed if sequence is not None]
+        if failed:
+            self._engine_failed("its process exited")
+        for key, sequence in failed:
+            self._end(key, sequence, "error", "the engine's process exited; retry the request")
+        link.keys.clear()
+
+    def _engine_failed(self, why: str) -> None:
+        if self._down is None:
+            logger.error("engine failed (%s): refusing requests until an engine answers again", why)
+            self._down = why
+        if not self._pinging and self._loop is not None:
+            self._pinging = True
+            self._loop.create_task(self._ping_until_back())
+
+    async def _ping_until_back(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(_PING_INTERVAL_S)
+                try:
+                    await asyncio.wait_for(self.handle.ping.remote(), _PING_TIMEOUT_S)
+                except Exception as error:  # timed out, or no engine yet
+                    logger.debug("engine not back yet: %r", error)
+                    continue
+                logger.info("an engine answers again after %s", self._down)
+                self._down = None
+                return
+        finally:
+            self._pinging = False
