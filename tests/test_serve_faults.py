@@ -61,9 +61,9 @@ def test_a_dead_engine_ends_streams_with_an_error_event_and_requests_get_503_unt
     async def load() -> tuple[list[list], httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=engine_process_url, timeout=60) as session:
             engine_pid = (await session.get("/v1/engine/stats")).json()["engine_pid"]
-            started = asyncio.Event()
+            streaming = [asyncio.Event(), asyncio.Event()]
 
-            async def stream() -> list:
+            async def stream(started: asyncio.Event) -> list:
                 events = []
                 async with session.stream("POST", "/v1/completions", json={**long, "stream": True}) as response:
                     assert response.status_code == 200
@@ -74,11 +74,12 @@ def test_a_dead_engine_ends_streams_with_an_error_event_and_requests_get_503_unt
                             started.set()
                 return events
 
-            streams = [asyncio.create_task(stream()) for _ in range(2)]
+            streams = [asyncio.create_task(stream(started)) for started in streaming]
             collected = asyncio.create_task(session.post("/v1/completions", json=long))
-            await asyncio.wait_for(started.wait(), 30)
+            # Both streams under way (their 200 sent), the third request still collecting its text.
+            await asyncio.wait_for(asyncio.gather(*(started.wait() for started in streaming)), 30)
             os.kill(engine_pid, signal.SIGKILL)
-            cut = await asyncio.gather(*streams)
+            cut = await asyncio.wait_for(asyncio.gather(*streams), 30)  # promptly, not at the client's timeout
             in_flight = await collected
             after = await session.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             return cut, in_flight, after
@@ -89,7 +90,7 @@ def test_a_dead_engine_ends_streams_with_an_error_event_and_requests_get_503_unt
         error = events[-2]["error"]
         assert error["type"] == "server_error" and "engine" in error["message"], error
     assert_unavailable(in_flight)
-    assert_unavailable(after)
+    assert_unavailable(after)  # refused at once while no engine answers, not queued behind the restart
 
     def served_again() -> bool:
         try:

@@ -103,6 +103,12 @@ def test_a_path_no_app_serves_gets_openai_json_from_the_proxy(url):
     assert response.json()["error"]["message"]
 
 
+def assert_replica_failed(response: httpx.Response) -> None:
+    assert response.headers["content-type"] == "application/json", response.text
+    assert response.status_code == 503 and response.json()["error"]["code"] == "replica_failed", response.text
+    assert int(response.headers["Retry-After"]) >= 1
+
+
 def test_a_killed_ingress_replica_ends_its_streams_with_an_error_event_while_the_other_serves_on(url):
     long = {"prompt": "a long story", "max_tokens": 240, "ignore_eos": True}
 
@@ -114,6 +120,9 @@ def test_a_killed_ingress_replica_ends_its_streams_with_an_error_event_while_the
             async def stream() -> list:
                 events: list = []
                 async with session.stream("POST", "/v1/completions", json={**long, "stream": True}) as response:
+                    if response.status_code != 200:  # killed before its first token: the headers were not sent
+                        await response.aread()
+                        return [response]
                     async for line in response.aiter_lines():
                         if line.startswith("data: "):
                             payload = line[len("data: ") :]
@@ -131,6 +140,9 @@ def test_a_killed_ingress_replica_ends_its_streams_with_an_error_event_while_the
     cut, in_flight = asyncio.run(cut())
     completed = 0
     for events in cut:
+        if isinstance(events[0], httpx.Response):
+            assert_replica_failed(events[0])
+            continue
         assert events[-1] == "[DONE]", events[-3:]
         if "error" in events[-2]:  # its ingress was the one killed
             assert events[-2]["error"]["type"] == "server_error" and events[-2]["error"]["code"] == "replica_failed"
@@ -140,10 +152,8 @@ def test_a_killed_ingress_replica_ends_its_streams_with_an_error_event_while_the
     assert completed >= 1, "no stream survived on the ingress replica that was not killed"
     # The request that had not answered yet: Serve may run it again on another replica (200), or else
     # it gets JSON 503 that says when to retry, never a bare 500.
-    assert in_flight.headers["content-type"] == "application/json", in_flight.text
     if in_flight.status_code != 200:
-        assert in_flight.status_code == 503 and in_flight.json()["error"]["code"] == "replica_failed", in_flight.text
-        assert int(in_flight.headers["Retry-After"]) >= 1
+        assert_replica_failed(in_flight)
 
     def served_again() -> bool:
         response = httpx.post(

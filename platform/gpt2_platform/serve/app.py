@@ -594,6 +594,9 @@ def gpt2_deployment(
     # Each sequence is one call that lasts as long as it runs: room for every sequence an engine may hold
     # before it refuses more itself (429 JSON, where Serve's own queue-full 503 is plain text).
     engine_options.setdefault("max_ongoing_requests", default_max_ongoing_requests(args))
+    # One call per sequence: a log line each would cost the engine's replica more than the call. The
+    # ingress's access log still has every HTTP request.
+    engine_options.setdefault("logging_config", {"enable_access_log": False})
     # Read the blocklist and import the callable here, once: a mistake stops `serve run` before any replica starts.
     moderator = build_moderator(args.moderation)
     engine = GPT2Engine.options(**engine_options).bind(
