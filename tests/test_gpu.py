@@ -111,6 +111,14 @@ def test_a_one_prompt_prefill_replayed_as_a_graph_fills_the_cache_and_picks_as_t
             torch.testing.assert_close(ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)])
     mode = "greedy" if temperature == 0 else ("filtered" if top_k else "plain")
     assert {key for key in graphed.prefill_graphs} == {(16, mode), (32, mode), (128, mode)}
+    # Several prompts admitted together: each replays its own width's graph, staged in one copy.
+    for runner in (graphed, eager):
+        runner.set_sampling(3, 0.0, 0, 1.0, seed=3)  # and a greedy row beside the others' mode
+    slots = [2, 0, 3]
+    assert graphed.prefill(prompts, slots) == eager.prefill(prompts, slots)
+    for slot, prompt in zip(slots, prompts, strict=True):
+        for ours, theirs in zip(graphed.cache.kv, eager.cache.kv, strict=True):
+            torch.testing.assert_close(ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)])
 
 
 def test_engine_bf16_sampling_is_reproducible_per_seed_on_gpu():

@@ -1,16 +1,17 @@
 """The token link: an engine's tokens straight to the process that serves their HTTP responses.
 
 A Serve app here is several ingress replicas (HTTP, JSON, text) in front of one engine per GPU.
-Requests go to an engine through Serve (which picks the least-loaded one and notices when one
-dies); their tokens come back over this link, one message per engine step per ingress carrying
-every token that step made for that ingress's sequences. A Ray object per token, or per SSE chunk,
-would cost the engine's process more host time than the step that made the token.
+Serve finds the engines and keeps them running; the work itself goes over this link. An ingress
+sends each sequence to the engine it has fewest sequences on, and gets its tokens back in one
+message per engine step carrying every token that step made for that ingress's sequences. A Ray
+call per sequence costs the engine's replica milliseconds of host time, and a Ray object per token,
+or per SSE chunk, more than the step that made the token.
 
-The ingress listens (`Inlet`); each engine connects to it the first time it gets one of its
-requests (`Outlet`), on a TCP socket authenticated by a key the ingress hands out with each
-request through Serve (which Ray's own authentication covers), so no other process can inject or
-read tokens. The ingress sends cancels back on the same connection; they reach the engine's
-process within a step, without a Ray call.
+The ingress listens (`Inlet`); an engine connects to it (`Outlet`) when Serve routes it one of the
+ingress's calls (GPT2Engine.connect, or a sequence sent through Serve before any link is up), on a
+TCP socket authenticated by a key the ingress hands out in that call (which Ray's own
+authentication covers), so no other process can inject or read tokens. Submits and cancels go from
+the ingress straight to the engine's process on the same connection, without a Ray call.
 
 Messages are pickled lists, so only the two authenticated ends ever unpickle them. A token record is
 `(key, token, finish_reason, error)`: `token` is -1 when there is none (an abort or a failure),
@@ -25,6 +26,8 @@ import socket
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+
+from gpt2_platform.engine.requests import GenerationParams
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +50,10 @@ class Inlet:
         host: str,
         on_message: Callable[[Link, list[Record]], None],
         on_lost: Callable[[Link], None],
+        on_connect: Callable[[Link], None] = lambda link: None,
     ) -> None:
         self.authkey = new_authkey()
-        self.on_message, self.on_lost = on_message, on_lost
+        self.on_message, self.on_lost, self.on_connect = on_message, on_lost, on_connect
         # No authkey on the listener itself: it would authenticate inside accept(), so one client that
         # connects and says nothing would stall every engine's connection behind it.
         self._listener = Listener((host, 0), family="AF_INET")
@@ -86,6 +90,7 @@ class Inlet:
             return
         _no_delay(conn)
         link = Link(conn)
+        self.on_connect(link)
         try:
             while True:
                 self.on_message(link, conn.recv())
@@ -99,7 +104,7 @@ class Inlet:
 
 
 class Link:
-    """One engine's connection as the ingress holds it: what it was sent, and the way to send cancels back."""
+    """One engine's connection as the ingress holds it: its sequences, and the way to send it work."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -107,14 +112,23 @@ class Link:
         self.closed = False
         self._lock = threading.Lock()
 
+    def submit(self, key: int, prompt_ids: list[int], params: GenerationParams, room: int | None) -> bool:
+        """Send a sequence to this engine; False if the link is gone. `room`: as GPT2Engine.generate's."""
+        return self._send(("submit", key, prompt_ids, params, room))
+
     def cancel(self, key: int) -> None:
+        self._send(("cancel", key))
+
+    def _send(self, message: tuple) -> bool:
         if self.closed:
-            return
+            return False
         try:
             with self._lock:
-                self.conn.send(("cancel", key))
+                self.conn.send(message)
+            return True
         except OSError:
             self.closed = True  # the reader sees the end too and fails what is left
+            return False
 
 
 class Outlet:
@@ -124,12 +138,19 @@ class Outlet:
     closed, and `on_lost` gets the engine ids of its sequences so the engine can drop them.
     """
 
-    def __init__(self, address: Address, authkey: bytes, on_cancel: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        address: Address,
+        authkey: bytes,
+        on_cancel: Callable[[int], None],
+        on_submit: Callable[[Outlet, int, list[int], GenerationParams, int | None], None] | None = None,
+    ) -> None:
         self.address = address
         self.conn = Client(tuple(address), family="AF_INET", authkey=authkey)
         # Small messages, one per step: Nagle's delay would hold each for the previous one's ACK.
         _no_delay(self.conn)
-        self.on_cancel = on_cancel
+        self.on_cancel, self.on_submit = on_cancel, on_submit
+        self._send_lock = threading.Lock()  # the engine's thread sends steps, the reader refusals
         self.engine_ids: dict[int, int] = {}  # key -> the engine's request id, for the ingress's cancels
         self.pending: list[Record] = []
         self.closed = False
@@ -147,8 +168,12 @@ class Outlet:
             self.pending.clear()
             return not self.closed
         records, self.pending = self.pending, []
+        return self.send_now(records)
+
+    def send_now(self, records: list[Record]) -> bool:
         try:
-            self.conn.send(records)
+            with self._send_lock:
+                self.conn.send(records)
             return True
         except OSError as error:
             logger.warning("token link to %s lost: %r", self.address, error)
@@ -162,8 +187,10 @@ class Outlet:
     def _read(self) -> None:
         try:
             while True:
-                command, key = self.conn.recv()
-                if command == "cancel" and key in self.engine_ids:
+                command, key, *args = self.conn.recv()
+                if command == "submit" and self.on_submit is not None:
+                    self.on_submit(self, key, *args)
+                elif command == "cancel" and key in self.engine_ids:
                     self.on_cancel(self.engine_ids.pop(key))
         except (EOFError, OSError):
             pass

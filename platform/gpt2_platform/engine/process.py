@@ -212,6 +212,11 @@ class EngineProcess:
             raise EngineDeadError(self._error)  # the reader failed the pending requests before this one joined
         return request_id
 
+    def connect(self, address: Address, authkey: bytes) -> None:
+        """Have the child open a token link to the ingress at `address` (if it has none), for the ingress
+        to send it sequences directly (engine/link.py)."""
+        self._send(("connect", tuple(address), authkey))
+
     def cancel(self, request_id: int) -> None:
         """Stop a request; its slot is free after the child's current step.
 
@@ -317,7 +322,7 @@ class _RequestTag:
 
     __slots__ = ("request_id", "outlet", "key")
 
-    def __init__(self, request_id: int, outlet: Outlet | None = None, key: int = 0) -> None:
+    def __init__(self, request_id: int | None, outlet: Outlet | None = None, key: int = 0) -> None:
         self.request_id, self.outlet, self.key = request_id, outlet, key
 
     def __call__(self, event: Event) -> None:
@@ -336,6 +341,45 @@ def _pack(request_id: int, event: Event) -> tuple:
         event.seed,
         event.error,
     )
+
+
+class _Outlets:
+    """The child's token links, one per ingress, and the sequences ingresses send on them.
+
+    A sequence that comes over a link goes from the link's reader thread straight into the engine: it
+    never passes through the parent, whose Serve replica would spend more host time per sequence than
+    the engine does.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._by_address: dict[tuple, Outlet] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: Address, authkey: bytes) -> Outlet:
+        address = tuple(address)
+        with self._lock:
+            outlet = self._by_address.get(address)
+            if outlet is None or outlet.closed:
+                outlet = self._by_address[address] = Outlet(address, authkey, self.engine.cancel, self.submit)
+        return outlet
+
+    def submit(
+        self, outlet: Outlet, key: int, prompt_ids: list[int], params: GenerationParams, room: int | None
+    ) -> None:
+        """On the link's reader thread: run the sequence, or refuse it on the link at once."""
+        stats = self.engine.stats()
+        in_engine = stats["running"] + stats["waiting"]
+        if room is not None and in_engine and in_engine + 1 > room:
+            message = f"{stats['running']} sequences running, {stats['waiting']} waiting"
+            outlet.send_now([(key, -1, "refused", message)])
+            return
+        try:
+            engine_id = self.engine.submit(prompt_ids, params, _RequestTag(None, outlet, key), tokens_only=True)
+        except (ValueError, EngineDeadError) as error:  # the ingress validated; this is the engine refusing
+            outlet.send_now([(key, -1, "error", f"engine refused: {error}")])
+            return
+        outlet.engine_ids[key] = engine_id
 
 
 def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
@@ -366,7 +410,7 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
                 token = event.token_ids[0] if event.token_ids else -1
                 outlet.add((tag.key, token, event.finish_reason, event.error))
                 outlets.add(outlet)
-                if event.finished:  # the parent hears only of the end (the ingress has the tokens)
+                if event.finished and tag.request_id is not None:  # the parent's: it hears only of the end
                     packed.append(
                         _pack(
                             tag.request_id,
@@ -405,7 +449,7 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
     try:
         info = {"max_seq_len": engine.max_seq_len, "vocab_size": engine.runner.model.config.vocab_size}
         send(("ready", {**info, "stats": engine.stats()}))
-        _serve_commands(conn, parent_pid, engine, send, finished)
+        _serve_commands(conn, parent_pid, engine, send, finished, _Outlets(engine))
     except (EOFError, OSError):
         pass  # the parent is gone
     finally:
@@ -414,10 +458,14 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
 
 
 def _serve_commands(
-    conn: Connection, parent_pid: int, engine: Engine, send: Callable[[tuple], None], finished: deque[int]
+    conn: Connection,
+    parent_pid: int,
+    engine: Engine,
+    send: Callable[[tuple], None],
+    finished: deque[int],
+    outlets: _Outlets,
 ) -> None:
     engine_ids: dict[int, int] = {}  # parent's request id -> the engine's, for cancel
-    outlets: dict[tuple, Outlet] = {}  # ingress address -> its token link
     last_stats, last_stats_at = None, 0.0
     while os.getppid() == parent_pid:
         if conn.poll(_POLL_S):
@@ -426,6 +474,11 @@ def _serve_commands(
                 return
             if command == "submit":
                 _submit(engine, engine_ids, outlets, send, *args)
+            elif command == "connect":
+                try:
+                    outlets.get(*args)
+                except OSError as error:  # the ingress went away meanwhile; it asks again if it is back
+                    logger.warning("could not open a token link to %s: %r", args[0], error)
             elif command == "cancel" and args[0] in engine_ids:
                 engine.cancel(engine_ids.pop(args[0]))  # one is enough; a waiting request never finishes
         while finished:
@@ -445,7 +498,7 @@ def _serve_commands(
 def _submit(
     engine: Engine,
     engine_ids: dict[int, int],
-    outlets: dict[tuple, Outlet],
+    outlets: _Outlets,
     send: Callable[[tuple], None],
     request_id: int,
     prompt_ids: list[int],
@@ -458,11 +511,7 @@ def _submit(
         tag = _RequestTag(request_id)
         if outlet_spec is not None:
             address, authkey, key = outlet_spec
-            address = tuple(address)
-            outlet = outlets.get(address)
-            if outlet is None or outlet.closed:
-                outlet = outlets[address] = Outlet(address, authkey, engine.cancel)
-            tag = _RequestTag(request_id, outlet, key)
+            tag = _RequestTag(request_id, outlets.get(address, authkey), key)
         engine_id = engine.submit(prompt_ids, params, tag, incremental_text, tokens_only)
         engine_ids[request_id] = engine_id
         if outlet_spec is not None:

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 SAMPLING_MODES = ("greedy", "plain", "filtered")
+# Prompts admitted together up to this many go through the one-prompt prefill graph one by one; more
+# (a batch job's first wave) take one eager prefill, whose host cost no longer grows with the batch.
+GRAPHED_PREFILL_MAX = 8
 """The decode graphs per shape: argmax only, sampling without top-k/top-p, and with them (see `_mode`)."""
 
 
@@ -121,7 +124,12 @@ class ModelRunner:
         # batch 1. Its inputs, in one copy: the slot, the last prompt position, then the tokens.
         self.prefill_graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.one_prompt = torch.zeros(max_seq_len + 2, dtype=torch.long, device=device)
-        self.host_one_prompt = torch.zeros(max_seq_len + 2, dtype=torch.long, pin_memory=pinned)
+        # A few prompts admitted together replay that graph once each, from rows staged in one copy:
+        # a server admits a few prompts at a time as requests arrive, and an eager prefill of several
+        # costs more host time than the engine's decode step (jobs/bench_serve.py, engine profile).
+        self.graphed_prefill_max = min(GRAPHED_PREFILL_MAX, num_slots)
+        self.staged_prompts = torch.zeros(self.graphed_prefill_max, max_seq_len + 2, dtype=torch.long, device=device)
+        self.host_prompts = torch.zeros(self.graphed_prefill_max, max_seq_len + 2, dtype=torch.long, pin_memory=pinned)
         self.prompt_positions = torch.arange(max_seq_len, device=device)[None, :]
         # Compiled with dynamic shapes, the step fuses its small kernels (layer norms, GELU,
         # residuals, cache writes) once for every bucket; the graphs are then captured around it.
@@ -162,17 +170,8 @@ class ModelRunner:
         # attention shape costs hundreds of ms of kernel planning on its first use).
         width = bucket_for(longest, self.prefill_buckets)
         mode = self._mode_of([self.greedy[s] for s in slots], [self.limited[s] for s in slots])
-        if self.use_graphs and batch == 1:
-            prompt = prompts[0]
-            host = self.host_one_prompt
-            host[0], host[1] = slots[0], len(prompt) - 1
-            host[2 : 2 + len(prompt)] = torch.tensor(prompt)
-            # Positions past the prompt keep an earlier prompt's tokens: causal attention keeps them out
-            # of the prompt's own outputs, and decode steps overwrite their cache entries before reading.
-            self.one_prompt[: 2 + len(prompt)].copy_(host[: 2 + len(prompt)], non_blocking=True)
-            graph, out = self.prefill_graphs.get((width, mode)) or self._capture_prefill(width, mode)
-            graph.replay()
-            return out.tolist()
+        if self.use_graphs and batch <= self.graphed_prefill_max:
+            return self._prefill_graphed(prompts, slots)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             tokens[row, : len(prompt)] = torch.tensor(prompt)
@@ -181,6 +180,26 @@ class ModelRunner:
         positions = self.prompt_positions[:, :width].expand(batch, width)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         return self._prefill(tokens, slot_ids, positions, last, mode).tolist()
+
+    def _prefill_graphed(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
+        """Each prompt through the one-prompt graph of its own width and sampling mode, with one sync."""
+        host = self.host_prompts  # free: the previous prefill's sync waited for its copy
+        for row, (prompt, slot) in enumerate(zip(prompts, slots, strict=True)):
+            host[row, 0], host[row, 1] = slot, len(prompt) - 1
+            host[row, 2 : 2 + len(prompt)] = torch.tensor(prompt)
+        staged = self.staged_prompts[: len(prompts)]
+        staged.copy_(host[: len(prompts)], non_blocking=True)
+        firsts = []
+        for row, (prompt, slot) in enumerate(zip(prompts, slots, strict=True)):
+            width = bucket_for(len(prompt), self.prefill_buckets)
+            mode = self._mode_of([self.greedy[slot]], [self.limited[slot]])
+            # Positions past the prompt keep an earlier prompt's tokens: causal attention keeps them out
+            # of the prompt's own outputs, and decode steps overwrite their cache entries before reading.
+            self.one_prompt[: 2 + width].copy_(staged[row, : 2 + width])
+            graph, out = self.prefill_graphs.get((width, mode)) or self._capture_prefill(width, mode)
+            graph.replay()
+            firsts.append(out.clone())  # the next replay overwrites `out`
+        return torch.cat(firsts).tolist()
 
     def _prefill(
         self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, last: torch.Tensor, mode: str
@@ -378,7 +397,10 @@ class ModelRunner:
         for width in self.prefill_buckets:
             self.prefill([[0] * width], [0])  # one prompt: on CUDA, captures the greedy prefill graphs
             if self.num_slots > 1:
-                self.prefill([[0] * width] * 2, [0, 1])  # several: eager
+                self.prefill([[0] * width] * 2, [0, 1])  # several
+            if self.use_graphs and self.num_slots > self.graphed_prefill_max:  # more than a few: eager
+                many = self.graphed_prefill_max + 1
+                self.prefill([[0] * width] * many, list(range(many)))
             if self.use_graphs:
                 for mode in modes:
                     if (width, mode) not in self.prefill_graphs:

@@ -168,6 +168,8 @@ class GPT2Server:
             raise RuntimeError("this replica's token link stopped accepting engines")
 
     def __del__(self) -> None:
+        if hasattr(self, "metrics"):
+            self.metrics.stop()
         if hasattr(self, "engine"):
             self.engine.shutdown()
         if hasattr(self, "_tokenize_pool"):

@@ -1,4 +1,5 @@
-"""Autoscaling on the requests a replica works on, leaving out those whose clients are still sending bodies.
+"""Autoscaling policies: ingress replicas on the requests they work on (leaving out those whose clients
+are still sending bodies), engine replicas on the sequences they hold (`sequences_policy`, at the end).
 
 Serve counts a request as ongoing from the moment its headers reach a replica: Serve's proxy hands
 the request on before the body has arrived, and the replica reads the body. A client that declares a
@@ -25,6 +26,9 @@ logger = logging.getLogger(__name__)
 BODIES_IN_FLIGHT = "bodies_in_flight"
 """The custom metric: requests whose bodies a replica is still reading."""
 POLICY_PATH = "gpt2_platform.serve.autoscaling:working_requests_policy"
+ENGINE_SEQUENCES = "engine_sequences"
+"""The engine replicas' custom metric: sequences running and waiting in the engine."""
+ENGINE_POLICY_PATH = "gpt2_platform.serve.autoscaling:sequences_policy"
 
 
 def working_requests_policy(ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
@@ -35,3 +39,13 @@ def working_requests_policy(ctx: AutoscalingContext) -> tuple[float, dict[str, A
     reading = sum((ctx.aggregated_metrics or {}).get(BODIES_IN_FLIGHT, {}).values())
     working = max(ctx.total_num_requests - reading, 0.0)
     return working / ctx.config.get_target_ongoing_requests(), {}
+
+
+def sequences_policy(ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
+    """Engine replicas for the sequences they hold, at target_ongoing_requests sequences each.
+
+    Ingresses send sequences over their token links, not as Serve calls, so Serve's own count of an
+    engine's ongoing requests misses most of its load; each engine reports its sequences itself.
+    """
+    sequences = sum((ctx.aggregated_metrics or {}).get(ENGINE_SEQUENCES, {}).values())
+    return sequences / ctx.config.get_target_ongoing_requests(), {}

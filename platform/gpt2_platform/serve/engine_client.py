@@ -1,11 +1,13 @@
 """The engine deployment as an ingress replica sees it: the engine interface, over Serve and a token link.
 
 `RemoteEngine` meets the same interface as the in-process `Engine` and the `EngineProcess`
-(engine/protocol.py), so the HTTP code does not know where its engine runs. A sequence is
-submitted as one Serve call to the engine deployment (Serve picks the less loaded engine); its
-tokens arrive on this replica's token link (engine/link.py) and are turned into text here
-(engine/output.py), stop strings included, on the replica's event loop. Only how the sequence
-ended comes back as the call's result.
+(engine/protocol.py), so the HTTP code does not know where its engine runs. Each engine that
+Serve routes one of this replica's `connect` calls to opens a token link to it (engine/link.py);
+a sequence goes over the link to the engine this replica has fewest sequences on, and its tokens
+come back on it, turned into text here (engine/output.py), stop strings included, on the replica's
+event loop. Before any link is up (the first requests of a new replica), a sequence goes as one
+Serve call (GPT2Engine.generate), which also brings the link up. This replica asks Serve to
+`connect` again every few seconds, so engines that Serve adds are found.
 
 Failures: a link that drops (the engine's process died) or a call that fails (its replica died)
 ends the sequences it carried with an "error" event at once. From then on `check_health` raises
@@ -39,6 +41,9 @@ logger = logging.getLogger(__name__)
 _LINK_GRACE_S = 5.0
 _PING_INTERVAL_S = 0.5
 _PING_TIMEOUT_S = 2.0
+# How often this replica asks Serve to route it a `connect` call: an engine that Serve adds (autoscaling,
+# a replacement) is found within about this long (Serve picks one of two engines per call at random).
+_CONNECT_INTERVAL_S = 2.0
 
 
 @dataclass
@@ -74,7 +79,9 @@ class RemoteEngine:
         self._deliver: Deliver | None = None
         self._down: str | None = None  # why the engine is thought unavailable; None: serving
         self._pinging = False
-        self.inlet = Inlet(ray.util.get_node_ip_address(), self._from_link, self._link_lost)
+        self._links: list[Link] = []  # engines that have connected, and are still connected
+        self._connecting: asyncio.Task | None = None
+        self.inlet = Inlet(ray.util.get_node_ip_address(), self._from_link, self._link_lost, self._link_up)
 
     # ---- the engine interface ----------------------------------------------------------------
     def check_health(self) -> None:
@@ -113,8 +120,15 @@ class RemoteEngine:
         sequence = _Remote(on_event, output, len(prompt_ids), sampling.seed, bool(params.stop))
         engine_params = GenerationParams(params.max_tokens, (), params.ignore_eos, sampling)
         self._sequences[key] = sequence
-        outlet = (self.inlet.address, self.inlet.authkey, key)
         room = self.capacity() - request_size + 1 if request_size else None
+        if self._connecting is None:
+            self._connecting = self._loop.create_task(self._keep_connecting())
+        link = min(self._links, key=lambda link: len(link.keys), default=None)
+        if link is not None and link.submit(key, list(prompt_ids), engine_params, room):
+            sequence.link = link
+            link.keys.add(key)
+            return key
+        outlet = (self.inlet.address, self.inlet.authkey, key)  # no link yet: through Serve
         sequence.response = self.handle.generate.remote(outlet, list(prompt_ids), engine_params, room)
         self._loop.create_task(self._watch(key, sequence))
         return key
@@ -202,6 +216,24 @@ class RemoteEngine:
         if sequence.response is not None:
             sequence.response.cancel()
 
+    # ---- links ---------------------------------------------------------------------------------
+    def _link_up(self, link: Link) -> None:
+        """On the link's reader thread, once the engine's connection is authenticated."""
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._links.append, link)
+        else:  # no request yet, so no event loop known: nothing else touches the list meanwhile
+            self._links.append(link)
+
+    async def _keep_connecting(self) -> None:
+        """Ask Serve, now and every few seconds, to have an engine connect to this replica."""
+        while True:
+            try:
+                await self.handle.connect.remote(self.inlet.address, self.inlet.authkey)
+            except Exception as error:  # no engine running right now; the next round asks again
+                logger.debug("connect call failed: %r", error)
+            await asyncio.sleep(_CONNECT_INTERVAL_S)
+
     # ---- failures ----------------------------------------------------------------------------
     async def _watch(self, key: int, sequence: _Remote) -> None:
         """Wait for the sequence's call; a refusal or a failure ends it here."""
@@ -241,6 +273,8 @@ class RemoteEngine:
             self._loop.call_soon_threadsafe(self._fail_link, link)
 
     def _fail_link(self, link: Link) -> None:
+        if link in self._links:
+            self._links.remove(link)
         failed = [(key, self._sequences.get(key)) for key in list(link.keys)]
         failed = [(key, sequence) for key, sequence in failed if sequence is not None]
         if failed:

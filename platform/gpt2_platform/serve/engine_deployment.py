@@ -1,14 +1,15 @@
 """The engine deployment: one replica per GPU (or GPU share), owning a model and its engine.
 
-The ingress replicas (serve/app.py) do everything HTTP; this deployment only batches. Each
-sequence is one Serve call (`generate`) that lasts until the sequence ends, so Serve's count of
-ongoing requests per replica is its number of sequences: Serve's router sends a new sequence to
-the less loaded of two engines, and the autoscaler adds engines as that count grows. The tokens
-do not travel back through the call: the engine's process sends them to the ingress that asked,
-one message per step on the token link (engine/link.py), and the call returns only how it ended.
+The ingress replicas (serve/app.py) do everything HTTP; this deployment only batches. Serve starts
+its replicas, checks their health, replaces the dead ones, scales them (on the sequences they hold:
+`record_autoscaling_stats`, serve/autoscaling.py) and routes the ingresses' calls to them. The work
+itself does not go through Serve: `connect` has the engine open a token link to an ingress
+(engine/link.py), and from then on that ingress sends its sequences to the engine's process and
+gets their tokens back on the link, one message per engine step. `generate`, one Serve call per
+sequence, is there for an ingress that has no link yet.
 
-The engine runs in a child process (engine/process.py), so this replica's event loop, which
-handles every sequence's Serve call, and the engine's loop never wait for each other's GIL.
+The engine runs in a child process (engine/process.py), so this replica's event loop and the
+engine's loop never wait for each other's GIL.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gpt2_platform.engine.link import Address
 from gpt2_platform.engine.process import EngineProcess
 from gpt2_platform.engine.requests import Event, GenerationParams
 from gpt2_platform.monitoring import exporter
+from gpt2_platform.serve.autoscaling import ENGINE_SEQUENCES
 from gpt2_platform.serve.metrics import ServeMetrics
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,16 @@ class GPT2Engine:
         self.metrics = ServeMetrics(model_name)
         self.metrics.start_sampling(self.engine.stats)
         logger.info("engine for %s from %s ready (%s), process %s", model_name, model, config, self.engine.pid)
+
+    def connect(self, address: Address, authkey: bytes) -> None:
+        """Open a token link to the ingress at `address` (nothing if there is one already)."""
+        self.engine.connect(address, authkey)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler reads (serve/autoscaling.py:sequences_policy): the sequences this
+        engine holds, running and waiting, however they came (Serve's own count sees only `generate`)."""
+        stats = self.engine.stats()
+        return {ENGINE_SEQUENCES: float(stats["running"] + stats["waiting"])}
 
     def check_health(self) -> None:
         """Serve calls this every health_check_period_s: a dead engine process gets this replica replaced."""

@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 # Seconds; decode steps run from ~0.5 ms (a GPU graph) to ~100 ms (a big model on CPU).
 _TOKEN_LATENCY_BOUNDARIES_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
+_FLUSH_S = 1.0
 _FIRST_TOKEN_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
@@ -70,9 +71,34 @@ class ServeMetrics:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_batch_sizes: dict[int, int] = {}
+        # Counts gathered here and added to the counters at most once a second: each record into Ray's
+        # metrics costs tens of microseconds, paid per request and per sequence on the event loop that
+        # serves every stream of the replica.
+        self._pending: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._pending_lock = threading.Lock()
+        threading.Thread(target=self._flush_loop, name="gpt2-serve-metrics-flush", daemon=True).start()
+
+    def _count(self, counter: str, value: float, **tags: str) -> None:
+        key = (counter, tuple(sorted(tags.items())))
+        with self._pending_lock:
+            self._pending[key] = self._pending.get(key, 0.0) + value
+
+    def flush(self) -> None:
+        """Add the gathered counts to Ray's counters."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for (counter, tags), value in pending.items():
+            getattr(self, counter).inc(value, tags=dict(tags) or None)
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(_FLUSH_S):
+            try:
+                self.flush()
+            except Exception:  # a metrics hiccup must never take the replica down
+                logger.exception("could not record serving counters")
 
     def record_request(self, route: str, status_code: int) -> None:
-        self.requests.inc(tags={"route": route, "status": str(status_code)})
+        self._count("requests", 1, route=route, status=str(status_code))
 
     def record_moderation_block(self, kind: str) -> None:
         self.moderation_blocked.inc(tags={"kind": kind})
@@ -84,9 +110,9 @@ class ServeMetrics:
         """One finished sequence: its token counts and the time from its first token to its last."""
         # Ray's counters refuse 0, and a sequence the engine failed before it ran reports no tokens.
         if prompt_tokens > 0:
-            self.prompt_tokens.inc(prompt_tokens)
+            self._count("prompt_tokens", prompt_tokens)
         if completion_tokens > 0:
-            self.generated_tokens.inc(completion_tokens)
+            self._count("generated_tokens", completion_tokens)
         if completion_tokens > 1:
             self.time_per_output_token_s.observe(decode_s / (completion_tokens - 1))
 
@@ -99,6 +125,7 @@ class ServeMetrics:
 
     def stop(self) -> None:
         self._stop.set()
+        self.flush()
 
     def _sample_loop(self, engine_stats: Callable[[], dict], interval_s: float) -> None:
         while not self._stop.wait(interval_s):
