@@ -81,7 +81,7 @@ class LoadSettings:
     headers: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 300.0
     num_requests: int | None = None
-    """Per level; None: max(8, 4 x concurrency)."""
+    """Per level; None: max(32, 4 x concurrency) (enough at one stream for its percentiles to mean something)."""
     client_processes: int = 1
     """Split each level's requests over this many spawned client processes (1: in this process)."""
 
@@ -226,7 +226,7 @@ def run_level(
     (httpx spends tens of microseconds a chunk); client processes split the load, and every level
     reports how busy its busiest client process was and which processes on the machine used the CPU.
     """
-    num_requests = settings.num_requests or max(8, 4 * concurrency)
+    num_requests = settings.num_requests or max(32, 4 * concurrency)
     num_processes = min(settings.client_processes, concurrency) if pool is not None else 1
     start_at = time.time() + (2.0 if pool is not None else 0.0)  # every process connected and waiting
     shares = [
