@@ -219,7 +219,10 @@ def test_weights_that_do_not_fit_the_config_are_refused_by_name(tmp_path: Path) 
     config = json.loads((directory / CONFIG_NAME).read_text())
     config["n_inner"] = 100  # the file's MLP is 256 wide
     (directory / CONFIG_NAME).write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"wrong shape .*transformer\.h\.0\.mlp\.c_fc\.weight \(256, 64\) \(config\.json gives \(100, 64\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"wrong shape .*transformer\.h\.0\.mlp\.c_fc\.weight \(256, 64\) \(config\.json gives \(100, 64\)\)",
+    ):
         load_pretrained(str(directory))
 
 

@@ -322,10 +322,9 @@ class Engine:
                 admitted.append(sequence)
         if not admitted:
             return
-        samplings = [sequence.params.sampling for sequence in admitted]
-        self.runner.set_samplings(
-            [sequence.slot for sequence in admitted], [(s.temperature, s.top_k, s.top_p, s.seed) for s in samplings]
-        )
+        for sequence in admitted:
+            s = sequence.params.sampling
+            self.runner.set_sampling(sequence.slot, s.temperature, s.top_k, s.top_p, s.seed)
         first = self.runner.prefill([s.prompt for s in admitted], [s.slot for s in admitted])
         self.num_prefills += 1
         self.num_prompt_tokens += sum(len(s.prompt) for s in admitted)

@@ -155,20 +155,12 @@ class ModelRunner:
 
     def set_sampling(self, slot: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
         """A new sequence's sampling parameters, kept on the device for every later step."""
-        self.set_samplings([slot], [(temperature, top_k, top_p, seed)])
-
-    def set_samplings(self, slots: list[int], params: list[tuple[float, int, float, int]]) -> None:
-        """`set_sampling` for several new sequences (temperature, top_k, top_p, seed each) in four writes:
-        a write per value per sequence cost more host time than the prefill that follows it."""
-        for slot, (temperature, top_k, top_p, _) in zip(slots, params, strict=True):
-            self.greedy[slot] = temperature <= 0
-            self.limited[slot] = top_k > 0 or top_p < 1.0
-        index = torch.tensor(slots, device=self.device)
-        temperatures, top_ks, top_ps, seeds = zip(*params, strict=True)
-        self.temperature[index] = torch.tensor(temperatures, dtype=torch.float32).to(self.device, non_blocking=True)
-        self.top_k[index] = torch.tensor(top_ks, dtype=torch.long).to(self.device, non_blocking=True)
-        self.top_p[index] = torch.tensor(top_ps, dtype=torch.float32).to(self.device, non_blocking=True)
-        self.seed[index] = torch.tensor(seeds, dtype=torch.long).to(self.device, non_blocking=True)
+        self.greedy[slot] = temperature <= 0
+        self.limited[slot] = top_k > 0 or top_p < 1.0
+        self.temperature[slot] = temperature
+        self.top_k[slot] = top_k
+        self.top_p[slot] = top_p
+        self.seed[slot] = seed
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
