@@ -143,20 +143,27 @@ def test_cluster_serve_config_requires_an_api_key_and_gives_each_replica_a_gpu()
     # The limits are written out, not left to defaults that could change under a running service.
     assert set(app["args"]["limits"]) == set(ServeLimits.model_fields)
     assert AppArgs.model_validate(app["args"]).limits.max_body_bytes <= 1_000_000
-    (deployment,) = app["deployments"]
-    assert deployment["ray_actor_options"]["num_gpus"] == 1
+    deployments = {deployment["name"]: deployment for deployment in app["deployments"]}
+    assert set(deployments) == {"GPT2Server", "GPT2Engine"}
+    assert deployments["GPT2Engine"]["ray_actor_options"]["num_gpus"] == 1
+    assert deployments["GPT2Server"]["ray_actor_options"]["num_gpus"] == 0
+    # More than one ingress replica, so one going down leaves another serving.
+    assert deployments["GPT2Server"]["autoscaling_config"]["min_replicas"] >= 2
 
 
-def broken_serve_config(edit) -> dict[str, Any]:
+def broken_serve_config(edit, deployment: str = "GPT2Server") -> dict[str, Any]:
     config = load(CLUSTER_SERVE)
-    edit(config["applications"][0], config["applications"][0]["deployments"][0])
+    (app,) = config["applications"]
+    edit(app, next(entry for entry in app["deployments"] if entry["name"] == deployment))
     return config
 
 
 def test_autoscaling_min_above_max_passes_serves_file_schema_but_not_ours():
     from ray.serve.schema import ServeDeploySchema
 
-    config = broken_serve_config(lambda app, dep: dep["autoscaling_config"].update(min_replicas=9, initial_replicas=9))
+    config = broken_serve_config(
+        lambda app, dep: dep["autoscaling_config"].update(min_replicas=40, initial_replicas=40)
+    )
     ServeDeploySchema.model_validate(config)  # Serve's own file schema does not look inside autoscaling_config
     with pytest.raises(DeployConfigError, match=r"deployments\[GPT2Server\]\.autoscaling_config: .*min_replicas"):
         deploy_check.validate_serve_config(config, source="gpt2-cluster.yaml")
@@ -165,7 +172,7 @@ def test_autoscaling_min_above_max_passes_serves_file_schema_but_not_ours():
 @pytest.mark.parametrize(
     "autoscaling, match",
     [
-        ({"initial_replicas": 20}, r"initial_replicas"),
+        ({"initial_replicas": 40}, r"initial_replicas"),
         ({"target_ongoing_requests": 0}, r"target_ongoing_requests"),
         ({"target_ongoing_requets": 24}, r"unknown keys \['target_ongoing_requets'\]"),
         ({"target_ongoing_requests": 2000}, r"max_ongoing_requests: 1024 is below autoscaling target_ongoing_requests"),
@@ -186,12 +193,92 @@ def test_inconsistent_autoscaling_is_refused(autoscaling: dict[str, Any], match:
         ({"engine_process": True}, r"args\.engine_process is gone: the engine now always runs in its own deployment"),
         ({"max_batch_sise": 8}, r"args: max_batch_sise: Extra inputs are not permitted"),
         ({"api_key_env": None}, r"args\.api_key_env: Serve listens on '0\.0\.0\.0'"),
-        ({"engine": {"max_batch_size": 1024}}, r"max_ongoing_requests: 1024 must exceed args\.engine\.max_batch_size"),
     ],
 )
 def test_bad_app_args_are_refused(args: dict[str, Any], match: str):
     config = broken_serve_config(lambda app, dep: app["args"].update(args))
     with pytest.raises(DeployConfigError, match=match):
+        deploy_check.validate_serve_config(config)
+
+
+def test_the_checks_deployment_names_are_the_apps():
+    from gpt2_platform.serve.app import GPT2Server
+    from gpt2_platform.serve.engine_deployment import GPT2Engine
+
+    assert (deploy_check.INGRESS_DEPLOYMENT, deploy_check.ENGINE_DEPLOYMENT) == (GPT2Server.name, GPT2Engine.name)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [None, {"policy_function": "gpt2_platform.serve.autoscaling:working_requests_policy"}],
+    ids=["serves-default", "the-ingress-policy"],
+)
+def test_an_engine_scaled_on_anything_but_its_sequences_is_refused(policy: dict[str, Any] | None):
+    def edit(app, engine):
+        if policy is None:
+            engine["autoscaling_config"].pop("policy")
+        else:
+            engine["autoscaling_config"]["policy"] = policy
+
+    config = broken_serve_config(edit, deployment="GPT2Engine")
+    with pytest.raises(
+        DeployConfigError,
+        match=r"deployments\[GPT2Engine\]\.autoscaling_config\.policy: .*gpt2_platform\.serve\.autoscaling:sequences_policy",
+    ):
+        deploy_check.validate_serve_config(config)
+
+
+def test_an_engine_without_autoscaling_needs_no_policy():
+    def edit(app, engine):
+        engine.pop("autoscaling_config")
+        engine["num_replicas"] = 2
+
+    deploy_check.validate_serve_config(broken_serve_config(edit, deployment="GPT2Engine"))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda engine: engine.update(max_ongoing_requests=96),
+            r"GPT2Engine\]\.max_ongoing_requests: 96 must exceed args\.engine\.max_batch_size \+ args\.limits\.max_waiting \(96\)",
+        ),
+        (
+            lambda engine: engine["autoscaling_config"].update(target_ongoing_requests=97),
+            r"GPT2Engine\]\.autoscaling_config\.target_ongoing_requests: 97 sequences per engine is more than one engine holds",
+        ),
+    ],
+    ids=["max-ongoing-below-capacity", "target-beyond-capacity"],
+)
+def test_an_engine_that_could_not_hold_or_reach_its_sequences_is_refused(edit, match: str):
+    config = broken_serve_config(lambda app, engine: edit(engine), deployment="GPT2Engine")
+    with pytest.raises(DeployConfigError, match=match):
+        deploy_check.validate_serve_config(config)
+
+
+def test_an_ingress_asking_for_a_gpu_is_refused():
+    config = broken_serve_config(lambda app, server: server["ray_actor_options"].update(num_gpus=1))
+    with pytest.raises(
+        DeployConfigError, match=r"deployments\[GPT2Server\]\.ray_actor_options\.num_gpus: is 1, .*GPT2Engine"
+    ):
+        deploy_check.validate_serve_config(config)
+
+
+def test_an_ingress_scaled_on_engine_sequences_is_refused():
+    def edit(app, server):
+        server["autoscaling_config"]["policy"] = {"policy_function": "gpt2_platform.serve.autoscaling:sequences_policy"}
+
+    with pytest.raises(
+        DeployConfigError, match=r"GPT2Server\]\.autoscaling_config\.policy\.policy_function: .*working_requests_policy"
+    ):
+        deploy_check.validate_serve_config(broken_serve_config(edit))
+
+
+def test_an_unknown_deployment_name_is_refused():
+    config = broken_serve_config(lambda app, server: server.update(name="GPT2Servr"))
+    with pytest.raises(
+        DeployConfigError, match=r"deployments\[GPT2Servr\]: unknown deployment 'GPT2Servr': .*GPT2Server .*GPT2Engine"
+    ):
         deploy_check.validate_serve_config(config)
 
 
@@ -246,7 +333,7 @@ def test_rayservice_drifting_from_the_cluster_serve_config_is_refused_with_what_
     with pytest.raises(DeployConfigError) as error:
         deploy_check.validate_kuberay(path, serve_reference=CLUSTER_SERVE)
     message = str(error.value)
-    assert "applications[gpt2].deployments[GPT2Server].autoscaling_config.max_replicas: expected 8, found 3" in message
+    assert "applications[gpt2].deployments[GPT2Server].autoscaling_config.max_replicas: expected 32, found 3" in message
     assert "applications[gpt2].args.limits.max_prompts: expected 32, found 8" in message
 
 

@@ -170,12 +170,18 @@ def test_the_yaml_is_a_valid_serve_config_whose_args_validate():
     module, _, attribute = application.import_path.partition(":")
     assert getattr(importlib.import_module(module), attribute) is app_module.build_app
     args = AppArgs.model_validate(application.args)
-    (deployment,) = application.deployments
-    assert deployment.name == app_module.GPT2Server.name
-    assert deployment.max_ongoing_requests >= 2 * args.engine.max_batch_size
-    assert deployment.max_ongoing_requests >= args.engine.max_batch_size + args.limits.max_waiting
-    assert deployment.autoscaling_config["min_replicas"] >= 1
-    assert deployment.ray_actor_options.num_gpus == 0  # the local config runs on CPU
+    deployments = {deployment.name: deployment for deployment in application.deployments}
+    assert set(deployments) == {app_module.GPT2Server.name, app_module.GPT2Engine.name}
+    server, engine = deployments[app_module.GPT2Server.name], deployments[app_module.GPT2Engine.name]
+    assert server.max_ongoing_requests >= 2 * server.autoscaling_config["target_ongoing_requests"]
+    assert server.autoscaling_config["min_replicas"] >= 1
+    assert server.ray_actor_options.num_gpus == 0  # the ingress never holds a model
+    # Left to the builder, which leaves room for every sequence an engine may hold.
+    assert "max_ongoing_requests" not in engine.model_fields_set
+    assert app_module.default_max_ongoing_requests(args) > args.engine.max_batch_size + args.limits.max_waiting
+    assert engine.autoscaling_config["policy"]["policy_function"] == "gpt2_platform.serve.autoscaling:sequences_policy"
+    assert engine.autoscaling_config["target_ongoing_requests"] <= args.engine.max_batch_size
+    assert engine.ray_actor_options.num_gpus == 0  # the local config runs on CPU
 
 
 def test_the_builder_refuses_a_missing_model_directory_and_typos_in_args(tmp_path):

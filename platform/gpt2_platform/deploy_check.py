@@ -2,8 +2,10 @@
 
 Each check first lets Ray's own code judge the file (the cluster launcher's schema after its provider
 defaults are merged in, Serve's `ServeDeploySchema`), then adds the project's rules: token authentication
-on every `ray start`, a dashboard bound to loopback, consistent autoscaling bounds, valid app args, and an
-API key wherever Serve listens beyond localhost. Every error names the file, the field and the fix.
+on every `ray start`, a dashboard bound to loopback, consistent autoscaling bounds, valid app args, an
+API key wherever Serve listens beyond localhost, and the app's two deployments as they must be: the ingress
+(GPT2Server) without GPUs, the engine (GPT2Engine) scaled on the sequences it reports. Every error names the
+file, the field and the fix.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ APP_BUILDER = "gpt2_platform.serve.app:build_app"
 SERVE_DEFAULT_MAX_ONGOING_REQUESTS = 5
 KUBERAY_API_VERSION = "ray.io/v1"
 KUBERAY_KINDS = ("RayCluster", "RayService", "RayJob")
+# The deployments of APP_BUILDER's app by their Serve names (serve/app.py, serve/engine_deployment.py): spelled
+# out, so checking a file imports no model code (a test keeps them equal to the classes' names).
+INGRESS_DEPLOYMENT = "GPT2Server"
+ENGINE_DEPLOYMENT = "GPT2Engine"
 
 
 class DeployConfigError(ValueError):
@@ -206,37 +212,125 @@ def _check_app_args(app: dict[str, Any], field: str, source: str, public: bool, 
 
 
 def _check_deployment(deployment: dict[str, Any], field: str, source: str, args: Any) -> None:
+    """Autoscaling bounds Serve only checks at deploy time, then, in an app of our builder, the rules of
+    its two deployments: the HTTP ingress (GPT2Server) and the model (GPT2Engine)."""
+    name = deployment.get("name")
+    if args is not None and name not in (INGRESS_DEPLOYMENT, ENGINE_DEPLOYMENT):
+        raise DeployConfigError(
+            source,
+            field,
+            f"unknown deployment {name!r}: {APP_BUILDER} builds {INGRESS_DEPLOYMENT} (the HTTP ingress) and "
+            f"{ENGINE_DEPLOYMENT} (the model); check the spelling",
+        )
+    bounds = _autoscaling_bounds(deployment, field, source)
+    if args is None:
+        _check_max_ongoing_reaches_target(deployment, field, source, bounds, SERVE_DEFAULT_MAX_ONGOING_REQUESTS)
+    elif name == INGRESS_DEPLOYMENT:
+        _check_ingress(deployment, field, source, bounds)
+    else:
+        _check_engine(deployment, field, source, args, bounds)
+
+
+def _autoscaling_bounds(deployment: dict[str, Any], field: str, source: str) -> Any:
+    """The deployment's AutoscalingConfig, or None without one (a fixed number of replicas)."""
     from pydantic import ValidationError
     from ray.serve.config import AutoscalingConfig
 
-    max_ongoing = deployment.get("max_ongoing_requests", SERVE_DEFAULT_MAX_ONGOING_REQUESTS)
     autoscaling = deployment.get("autoscaling_config")
-    if isinstance(autoscaling, dict):
-        # Serve's file schema keeps autoscaling_config a plain dict: min > max or a typo only fail at deploy time.
-        unknown = sorted(set(autoscaling) - set(AutoscalingConfig.model_fields))
-        if unknown:
-            raise DeployConfigError(
-                source, f"{field}.autoscaling_config", f"unknown keys {unknown}; check the spelling"
-            )
-        try:
-            bounds = AutoscalingConfig.model_validate(autoscaling)
-        except ValidationError as error:
-            raise DeployConfigError(source, f"{field}.autoscaling_config", _pydantic_errors(error)) from None
-        if bounds.target_ongoing_requests <= 0:
-            raise DeployConfigError(source, f"{field}.autoscaling_config.target_ongoing_requests", "must be > 0")
-        if max_ongoing < bounds.target_ongoing_requests:
-            raise DeployConfigError(
-                source,
-                f"{field}.max_ongoing_requests",
-                f"{max_ongoing} is below autoscaling target_ongoing_requests {bounds.target_ongoing_requests}: "
-                "the target could never be reached; raise max_ongoing_requests",
-            )
-    if args is not None and max_ongoing <= args.engine.max_batch_size + args.limits.max_waiting:
+    if not isinstance(autoscaling, dict):
+        return None
+    # Serve's file schema keeps autoscaling_config a plain dict: min > max or a typo only fail at deploy time.
+    unknown = sorted(set(autoscaling) - set(AutoscalingConfig.model_fields))
+    if unknown:
+        raise DeployConfigError(source, f"{field}.autoscaling_config", f"unknown keys {unknown}; check the spelling")
+    try:
+        bounds = AutoscalingConfig.model_validate(autoscaling)
+    except ValidationError as error:
+        raise DeployConfigError(source, f"{field}.autoscaling_config", _pydantic_errors(error)) from None
+    if bounds.target_ongoing_requests <= 0:
+        raise DeployConfigError(source, f"{field}.autoscaling_config.target_ongoing_requests", "must be > 0")
+    return bounds
+
+
+def _check_max_ongoing_reaches_target(
+    deployment: dict[str, Any], field: str, source: str, bounds: Any, default: int | None
+) -> None:
+    """A deployment scaled on its Serve calls: Serve sends a replica at most max_ongoing_requests of them,
+    so a higher target could never be reached. `default`: what applies when the file leaves it out (None:
+    the builder sizes it, so there is nothing to compare)."""
+    max_ongoing = deployment.get("max_ongoing_requests", default)
+    if bounds is None or max_ongoing is None or max_ongoing >= bounds.target_ongoing_requests:
+        return
+    raise DeployConfigError(
+        source,
+        f"{field}.max_ongoing_requests",
+        f"{max_ongoing} is below autoscaling target_ongoing_requests {bounds.target_ongoing_requests}: "
+        "the target could never be reached; raise max_ongoing_requests",
+    )
+
+
+def _policy_function(bounds: Any) -> str:
+    function = bounds.policy.policy_function
+    return function if isinstance(function, str) else f"{function.__module__}:{function.__qualname__}"
+
+
+def _check_ingress(deployment: dict[str, Any], field: str, source: str, bounds: Any) -> None:
+    """GPT2Server holds no model and scales on the HTTP requests it works on.
+
+    Its max_ongoing_requests caps the HTTP requests per ingress replica, not what an engine batches (the
+    engines refuse what they cannot hold over the token link, and the ingress answers 429), so it is not
+    compared with engine.max_batch_size + limits.max_waiting; it must still reach the autoscaling target,
+    or Serve's plain-text queue takes the load a replica was meant to carry.
+    """
+    from gpt2_platform.serve.autoscaling import ENGINE_POLICY_PATH, POLICY_PATH
+
+    num_gpus = (deployment.get("ray_actor_options") or {}).get("num_gpus") or 0
+    if num_gpus > 0:
+        raise DeployConfigError(
+            source,
+            f"{field}.ray_actor_options.num_gpus",
+            f"is {num_gpus}, but {INGRESS_DEPLOYMENT} never holds a model: set 0 and give the GPUs to "
+            f"{ENGINE_DEPLOYMENT}'s ray_actor_options.num_gpus",
+        )
+    _check_max_ongoing_reaches_target(deployment, field, source, bounds, default=None)
+    if bounds is not None and _policy_function(bounds) == ENGINE_POLICY_PATH:
+        raise DeployConfigError(
+            source,
+            f"{field}.autoscaling_config.policy.policy_function",
+            f"{ENGINE_POLICY_PATH} reads the sequences engines report, which an ingress has none of: use {POLICY_PATH}",
+        )
+
+
+def _check_engine(deployment: dict[str, Any], field: str, source: str, args: Any, bounds: Any) -> None:
+    """GPT2Engine scales on the sequences it reports and takes one Serve call per sequence in its fallback."""
+    from gpt2_platform.serve.autoscaling import ENGINE_POLICY_PATH
+
+    capacity = args.engine.max_batch_size + args.limits.max_waiting
+    max_ongoing = deployment.get("max_ongoing_requests")  # left out: the builder's default, above capacity
+    if max_ongoing is not None and max_ongoing <= capacity:
         raise DeployConfigError(
             source,
             f"{field}.max_ongoing_requests",
-            f"{max_ongoing} must exceed args.engine.max_batch_size + args.limits.max_waiting "
-            f"({args.engine.max_batch_size + args.limits.max_waiting}), so an overloaded replica answers 429 itself",
+            f"{max_ongoing} must exceed args.engine.max_batch_size + args.limits.max_waiting ({capacity}): "
+            "while an ingress has no token link, each sequence is one call, and the engine must see every "
+            "sequence it could hold to refuse the rest itself (429 JSON); or leave it out for the builder's default",
+        )
+    if bounds is None:
+        return
+    if _policy_function(bounds) != ENGINE_POLICY_PATH:
+        raise DeployConfigError(
+            source,
+            f"{field}.autoscaling_config.policy",
+            f"is {_policy_function(bounds)}; set policy: {{policy_function: {ENGINE_POLICY_PATH}}}: sequences "
+            "reach engines over token links, not as Serve calls, so any policy on Serve's count reads about no load",
+        )
+    if bounds.target_ongoing_requests > capacity:
+        raise DeployConfigError(
+            source,
+            f"{field}.autoscaling_config.target_ongoing_requests",
+            f"{bounds.target_ongoing_requests:g} sequences per engine is more than one engine holds "
+            f"(args.engine.max_batch_size + args.limits.max_waiting = {capacity}), so it could never be reached; "
+            "aim below engine.max_batch_size (e.g. 0.75 x)",
         )
 
 
