@@ -671,33 +671,42 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(base_url, mo
         "limits": {"max_waiting": 8},
         "gpu_monitor": True,
     }
+    # The engine scales on the sequences it reports (they come over the token link, not as Serve calls).
+    engine_autoscaling = {
+        **autoscaling,
+        "policy": {"policy_function": "gpt2_platform.serve.autoscaling:sequences_policy"},
+    }
     app = gpt2_deployment(
         args,
-        engine_options=ENGINE_OPTIONS,
+        engine_options={**ENGINE_OPTIONS, "autoscaling_config": engine_autoscaling},
         autoscaling_config=autoscaling,
         max_ongoing_requests=8,
         ray_actor_options={"num_cpus": 0.5},
     )
     serve.run(app, name="autoscale", route_prefix="/autoscale")
 
-    def running_replicas() -> int:
-        deployment = serve.status().applications["autoscale"].deployments["GPT2Server"]
-        return deployment.replica_states.get("RUNNING", 0)
+    def running_replicas(deployment: str = "GPT2Server") -> int:
+        return serve.status().applications["autoscale"].deployments[deployment].replica_states.get("RUNNING", 0)
+
+    def both_scaled(count: int) -> bool:
+        return running_replicas() == count and running_replicas("GPT2Engine") == count
 
     async def scale_up() -> bool:
         stop = asyncio.Event()
         load = asyncio.create_task(hold_streaming_load(f"{base_url}/autoscale", 3, stop))
         deadline = time.monotonic() + 60
-        while running_replicas() < 2 and time.monotonic() < deadline:
+        while not both_scaled(2) and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         stop.set()
         await load
-        return running_replicas() == 2
+        return both_scaled(2)
 
     try:
-        assert running_replicas() == 1
-        assert asyncio.run(scale_up()), "no second replica under load"
-        assert wait_until(lambda: running_replicas() == 1, timeout_s=60, interval_s=0.5), "no scale-down"
+        assert both_scaled(1)
+        assert asyncio.run(scale_up()), f"no second replica under load: {running_replicas()} ingress, " + (
+            f"{running_replicas('GPT2Engine')} engine"
+        )
+        assert wait_until(lambda: both_scaled(1), timeout_s=60, interval_s=0.5), "no scale-down"
         assert len(exporter.exporter_names()) == 1  # one per node, however many replicas started it
     finally:
         serve.delete("autoscale")

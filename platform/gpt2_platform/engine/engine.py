@@ -303,10 +303,12 @@ class Engine:
         if not cancelled:
             return
         with self._wakeup:
+            dropped = [s for s in self._waiting if s.request_id in cancelled]
             self._waiting = deque(s for s in self._waiting if s.request_id not in cancelled)
-        for sequence in self._slots:
-            if sequence is not None and sequence.request_id in cancelled:
-                self._finish(sequence, "abort", [], "")
+        # A waiting one ends too, with no tokens: a consumer counting what it sent (a token link's
+        # sequences in flight) must see every sequence end.
+        for sequence in dropped + [s for s in self._slots if s is not None and s.request_id in cancelled]:
+            self._finish(sequence, "abort", [], "")
 
     def _admit(self) -> None:
         """Prefill waiting requests into free slots (lowest first, keeping decode batches small)."""

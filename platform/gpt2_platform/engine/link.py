@@ -151,7 +151,8 @@ class Outlet:
         _no_delay(self.conn)
         self.on_cancel, self.on_submit = on_cancel, on_submit
         self._send_lock = threading.Lock()  # the engine's thread sends steps, the reader refusals
-        self.engine_ids: dict[int, int] = {}  # key -> the engine's request id, for the ingress's cancels
+        # key -> the engine's request id (None for the moment it is being submitted), for cancels
+        self.engine_ids: dict[int, int | None] = {}
         self.pending: list[Record] = []
         self.closed = False
         self._reader = threading.Thread(target=self._read, name="gpt2-outlet-reader", daemon=True)
@@ -190,7 +191,7 @@ class Outlet:
                 command, key, *args = self.conn.recv()
                 if command == "submit" and self.on_submit is not None:
                     self.on_submit(self, key, *args)
-                elif command == "cancel" and key in self.engine_ids:
+                elif command == "cancel" and self.engine_ids.get(key) is not None:
                     self.on_cancel(self.engine_ids.pop(key))
         except (EOFError, OSError):
             pass
@@ -199,7 +200,8 @@ class Outlet:
         if not self.closed:
             self.closed = True
             for engine_id in list(self.engine_ids.values()):  # the ingress is gone: free its slots
-                self.on_cancel(engine_id)
+                if engine_id is not None:
+                    self.on_cancel(engine_id)
             self.engine_ids.clear()
 
 

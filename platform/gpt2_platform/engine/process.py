@@ -243,9 +243,10 @@ class EngineProcess:
         """The child's counters as of its last report (at most 0.1 s old while it works).
 
         running + waiting counts what this process submitted and has not seen finish, so an
-        admission check sees a request the moment it is submitted, as with an in-process engine.
+        admission check sees a request the moment it is submitted, as with an in-process engine,
+        plus the sequences ingresses sent the child over their token links (as of its last report).
         """
-        in_flight = len(self._pending)
+        in_flight = len(self._pending) + self._stats.get("link_sequences", 0)
         running = min(self._stats.get("running", 0), in_flight)
         return {**self._stats, "running": running, "waiting": in_flight - running}
 
@@ -374,12 +375,20 @@ class _Outlets:
             message = f"{stats['running']} sequences running, {stats['waiting']} waiting"
             outlet.send_now([(key, -1, "refused", message)])
             return
+        outlet.engine_ids[key] = None  # before the engine can finish it: its last record removes the key
         try:
             engine_id = self.engine.submit(prompt_ids, params, _RequestTag(None, outlet, key), tokens_only=True)
         except (ValueError, EngineDeadError) as error:  # the ingress validated; this is the engine refusing
+            outlet.engine_ids.pop(key, None)
             outlet.send_now([(key, -1, "error", f"engine refused: {error}")])
             return
-        outlet.engine_ids[key] = engine_id
+        if key in outlet.engine_ids:  # not finished already
+            outlet.engine_ids[key] = engine_id
+
+    def in_flight(self) -> int:
+        """Sequences that came over links and have not finished."""
+        with self._lock:
+            return sum(len(outlet.engine_ids) for outlet in self._by_address.values() if not outlet.closed)
 
 
 def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
@@ -434,7 +443,8 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
         for outlet in outlets:
             if not outlet.send():  # its ingress is gone: free the slots of what it was sent
                 for engine_id in list(outlet.engine_ids.values()):
-                    engine.cancel(engine_id)
+                    if engine_id is not None:
+                        engine.cancel(engine_id)
                 outlet.engine_ids.clear()
         if packed:
             send(("events", packed))
@@ -489,7 +499,7 @@ def _serve_commands(
             send(("dead", str(error)))
             return
         if time.monotonic() - last_stats_at >= _POLL_S:
-            stats, last_stats_at = engine.stats(), time.monotonic()
+            stats, last_stats_at = {**engine.stats(), "link_sequences": outlets.in_flight()}, time.monotonic()
             if stats != last_stats:
                 send(("stats", stats))
                 last_stats = stats
@@ -512,9 +522,10 @@ def _submit(
         if outlet_spec is not None:
             address, authkey, key = outlet_spec
             tag = _RequestTag(request_id, outlets.get(address, authkey), key)
+            tag.outlet.engine_ids[key] = None  # before the engine can finish it: its last record removes it
         engine_id = engine.submit(prompt_ids, params, tag, incremental_text, tokens_only)
         engine_ids[request_id] = engine_id
-        if outlet_spec is not None:
+        if outlet_spec is not None and tag.key in tag.outlet.engine_ids:
             tag.outlet.engine_ids[tag.key] = engine_id
     except (ValueError, EngineDeadError, OSError) as error:  # the parent validated; this is the engine refusing
         send(("events", [(request_id, [], "", "error", len(prompt_ids), 0, 0, f"engine refused: {error}")]))

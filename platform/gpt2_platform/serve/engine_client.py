@@ -245,7 +245,8 @@ class RemoteEngine:
         except Exception as error:  # the replica died, or Serve could not reach one
             if self._sequences.get(key) is not sequence:
                 return  # finished (or cancelled) already; the call's end is only its echo
-            self._engine_failed(f"{type(error).__name__}: {error}".splitlines()[0])
+            if not self._links:
+                self._engine_failed(f"{type(error).__name__}: {error}".splitlines()[0])
             result = {"error": f"the engine failed ({type(error).__name__}); retry the request"}
         if self._sequences.get(key) is not sequence:
             return
@@ -277,7 +278,7 @@ class RemoteEngine:
             self._links.remove(link)
         failed = [(key, self._sequences.get(key)) for key in list(link.keys)]
         failed = [(key, sequence) for key, sequence in failed if sequence is not None]
-        if failed:
+        if failed and not self._links:  # with another engine still linked, new requests go there
             self._engine_failed("its process exited")
         for key, sequence in failed:
             self._end(key, sequence, "error", "the engine's process exited; retry the request")

@@ -57,7 +57,7 @@ class GPT2Engine:
         """Open a token link to the ingress at `address` (nothing if there is one already)."""
         self.engine.connect(address, authkey)
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
+    async def record_autoscaling_stats(self) -> dict[str, float]:
         """What Serve's autoscaler reads (serve/autoscaling.py:sequences_policy): the sequences this
         engine holds, running and waiting, however they came (Serve's own count sees only `generate`)."""
         stats = self.engine.stats()
