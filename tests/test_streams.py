@@ -19,7 +19,7 @@ from gpt2_platform.engine.requests import GenerationParams
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.model import GPT2, preset
 from gpt2_platform.serve.metrics import ServeMetrics
-from gpt2_platform.serve.streams import Choices, Job, run_callbacks
+from gpt2_platform.serve.streams import Choices, Job
 from gpt2_platform.tokenizer import byte_tokenizer
 
 PROMPT = list(b"once upon a time")
@@ -44,6 +44,11 @@ def greedy(max_tokens: int) -> GenerationParams:
 
 async def _updates(engine: Engine, metrics: ServeMetrics, jobs: list[Job], interval_s: float, limit: int | None = None):
     loop = asyncio.get_running_loop()
+
+    def run_callbacks(batch: list) -> None:  # on the loop: one hop per engine step, as a server makes it
+        for on_event, event in batch:
+            on_event(event)
+
     engine.deliver_in_batches(lambda batch: loop.call_soon_threadsafe(run_callbacks, batch))
     try:
         choices = Choices(engine, jobs, metrics)

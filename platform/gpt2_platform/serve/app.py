@@ -48,7 +48,7 @@ from gpt2_platform.serve.engine_client import RemoteEngine
 from gpt2_platform.serve.engine_deployment import GPT2Engine
 from gpt2_platform.serve.errors import APIError, bad_request
 from gpt2_platform.serve.metrics import ServeMetrics
-from gpt2_platform.serve.streams import Choices, Job, Update, run_callbacks
+from gpt2_platform.serve.streams import Choices, Job, Update
 from gpt2_platform.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,6 @@ class GPT2Server:
             capacity=lambda: args.engine.max_batch_size + self.limits.max_waiting,
         )
         self.metrics = ServeMetrics(self.model_name)
-        self._delivery_loop: asyncio.AbstractEventLoop | None = None
         self._bodies_in_flight = 0  # requests whose bodies are still arriving (autoscaling leaves them out)
         self.created = schemas.now_s()
         logger.info("serving %s from %s (engine %s)", self.model_name, args.model, args.engine)
@@ -408,7 +407,6 @@ class GPT2Server:
         request larger than that whole bound still runs on an idle engine.) Waiting for the first
         events before answering lets a refusal or a failed engine still be a status code.
         """
-        self._deliver_on_this_loop()
         choices = Choices(self.engine, jobs, self.metrics)
         try:
             first = await choices.started()
@@ -428,20 +426,6 @@ class GPT2Server:
                 headers={"Retry-After": str(retry_after)},
             )
         raise _engine_failed(first)
-
-    def _deliver_on_this_loop(self) -> None:
-        """Have the engine hand each step's events to this event loop in one hop (Serve runs every
-        request of a replica on one loop), instead of one thread-safe call per token per request."""
-        loop = asyncio.get_running_loop()
-        if self._delivery_loop is loop:
-            return
-        assert self._delivery_loop is None, "requests of one replica on two event loops"
-        self._delivery_loop = loop
-
-        def deliver(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-            loop.call_soon_threadsafe(run_callbacks, batch)
-
-        self.engine.deliver_in_batches(deliver)
 
     async def _collect(self, choices: Choices, num_choices: int) -> tuple[list[dict[str, Any]], int]:
         """Every choice's full text and finish reason, and the completion tokens of all of them."""

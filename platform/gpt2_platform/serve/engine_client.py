@@ -91,6 +91,8 @@ class RemoteEngine:
             raise EngineDeadError("this replica's token link stopped")
 
     def deliver_in_batches(self, deliver: Deliver) -> None:
+        """Not needed here: a link message's events are already handed over together, on the event loop
+        that submitted them (one hop from the link's reader thread). A `deliver` given is still used."""
         self._deliver = deliver
 
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:

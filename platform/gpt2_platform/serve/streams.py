@@ -142,7 +142,7 @@ class Choices:
 
     def cancel(self) -> None:
         """Free the slots of unfinished sequences (a client went away, or one sequence failed)."""
-        for index in self.unfinished:
+        for index in list(self.unfinished):  # a cancel may deliver the sequence's abort at once
             if index < len(self.request_ids):
                 self.engine.cancel(self.request_ids[index])
 
@@ -150,8 +150,3 @@ class Choices:
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
-
-
-def run_callbacks(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-    for on_event, event in batch:
-        on_event(event)
