@@ -20,9 +20,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -52,10 +51,8 @@ class _Remote:
     output: TextOutput
     prompt_tokens: int
     seed: int
-    link_stop: bool  # stop strings: this side ends the sequence and tells the engine
     response: DeploymentResponse | None = None
     link: Link | None = None
-    submitted_at: float = field(default_factory=time.perf_counter)
 
 
 class RemoteEngine:
@@ -119,7 +116,7 @@ class RemoteEngine:
         self.validate(prompt_ids, params)
         key = next(self._ids)
         output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
-        sequence = _Remote(on_event, output, len(prompt_ids), sampling.seed, bool(params.stop))
+        sequence = _Remote(on_event, output, len(prompt_ids), sampling.seed)
         engine_params = GenerationParams(params.max_tokens, (), params.ignore_eos, sampling)
         self._sequences[key] = sequence
         room = self.capacity() - request_size + 1 if request_size else None
@@ -151,6 +148,8 @@ class RemoteEngine:
         return await self.handle.stats.remote()
 
     def shutdown(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
         self.inlet.close()
 
     # ---- tokens in ---------------------------------------------------------------------------
