@@ -91,7 +91,7 @@ def test_engine_with_cuda_graphs_matches_transformers_greedy_in_fp32(tmp_path):
 @pytest.mark.parametrize(
     "sampling", [(0.0, 0, 1.0), (0.9, 0, 1.0), (0.9, 20, 0.8)], ids=["greedy", "plain", "filtered"]
 )
-def test_a_one_prompt_prefill_replayed_as_a_graph_fills_the_cache_and_picks_as_the_eager_one(sampling):
+def test_a_prefill_replayed_as_a_graph_fills_the_cache_and_picks_as_the_eager_one(sampling):
     from gpt2_platform.engine.runner import ModelRunner
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -110,15 +110,26 @@ def test_a_one_prompt_prefill_replayed_as_a_graph_fills_the_cache_and_picks_as_t
         for ours, theirs in zip(graphed.cache.kv, eager.cache.kv, strict=True):
             torch.testing.assert_close(ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)])
     mode = "greedy" if temperature == 0 else ("filtered" if top_k else "plain")
-    assert {key for key in graphed.prefill_graphs} == {(16, mode), (32, mode), (128, mode)}
-    # Several prompts admitted together: each replays its own width's graph, staged in one copy.
+    assert {(1, 16, mode), (1, 32, mode), (1, 128, mode)} <= set(graphed.prefill_graphs)
+    # Several prompts admitted together: one replay of the graph of their batch bucket (4, so one padding
+    # row, which must land in the scratch slot, not in slot 1) and their longest prompt's width.
     for runner in (graphed, eager):
         runner.set_sampling(3, 0.0, 0, 1.0, seed=3)  # and a greedy row beside the others' mode
+    slot_1 = [t[1].clone() for t in graphed.cache.kv]
+    state_1 = [graphed.tokens[1].item(), graphed.positions[1].item(), graphed.steps[1].item()]
     slots = [2, 0, 3]
     assert graphed.prefill(prompts, slots) == eager.prefill(prompts, slots)
     for slot, prompt in zip(slots, prompts, strict=True):
         for ours, theirs in zip(graphed.cache.kv, eager.cache.kv, strict=True):
             torch.testing.assert_close(ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)])
+        # Each slot is left as a decode step reads it: the first token, the position after the prompt, step 1.
+        for runner in (graphed, eager):
+            assert runner.positions[slot].item() == len(prompt) and runner.steps[slot].item() == 1
+        assert graphed.tokens[slot].item() == eager.tokens[slot].item()
+    for before, after in zip(slot_1, graphed.cache.kv, strict=True):
+        assert torch.equal(before, after[1]), "a padding row of the prefill graph wrote into slot 1"
+    assert [graphed.tokens[1].item(), graphed.positions[1].item(), graphed.steps[1].item()] == state_1
+    assert any(key[0] == 4 for key in graphed.prefill_graphs)
 
 
 def test_engine_bf16_sampling_is_reproducible_per_seed_on_gpu():

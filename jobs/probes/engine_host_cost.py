@@ -4,13 +4,15 @@
 
 The runner's launch and prefill are replaced by ones that return at once, so what is timed is
 the engine's own Python: admitting, launching, taking tokens in, detokenizing, stop checks and
-events. The engine overlaps this work with the GPU's step, so while it stays under the step's GPU
-time (about 1.4 ms at batch 256 compiled, on an H200) the host does not set the pace. Runs on CPU.
+events or token-sink records (the served path: a sequence's tokens go to its ingress's link). The
+engine overlaps this work with the GPU's step, so while it stays under the step's GPU time
+(docs/benchmarks.md, `jobs/bench_engine.py`) the host does not set the pace. Runs on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -30,17 +32,34 @@ def instant_runner(engine: Engine) -> None:
     """Printable byte tokens at once, as if the device were infinitely fast."""
     runner = engine.runner
 
-    def prefill(prompts: list[list[int]], slots: list[int]) -> list[int]:
-        return [97] * len(prompts)
+    def start_prefill(prompts: list[list[int]], slots: list[int]) -> Launch:
+        return Launch(torch.full((len(prompts),), 97, dtype=torch.long), len(prompts), None)
 
-    def launch(rows: list, max_position: int) -> Launch:
-        out = torch.tensor([97 + (i % 26) for i in range(len(rows))], dtype=torch.long)
-        return Launch(out, len(rows), None)
+    def launch(active: int, continuing: list[int], max_position: int, fed=None) -> Launch:
+        out = torch.tensor([97 + (i % 26) for i in range(active)], dtype=torch.long)
+        return Launch(out, active, None)
 
-    runner.prefill, runner.launch = prefill, launch
+    runner.start_prefill, runner.launch = start_prefill, launch
 
 
-def measure(sequences: int, tokens: int, incremental: bool, stop: tuple[str, ...]) -> float:
+class Sink:
+    """A token sink that pickles each iteration's records, as the token link's Outlet does before sending."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+        self.finished = 0
+
+    def add(self, record: tuple) -> None:
+        self.pending.append(record)
+        self.finished += 1
+
+    def send(self) -> bool:
+        records, self.pending = self.pending, []
+        pickle.dumps(records)
+        return True
+
+
+def measure(sequences: int, tokens: int, incremental: bool, stop: tuple[str, ...], sink: bool = False) -> float:
     engine = Engine(GPT2(preset("tiny")), byte_tokenizer(), EngineConfig(max_batch_size=sequences, dtype="fp32"))
     instant_runner(engine)
     engine.start(warmup=False)
@@ -49,7 +68,13 @@ def measure(sequences: int, tokens: int, incremental: bool, stop: tuple[str, ...
     done = []
     try:
         started = time.perf_counter()
-        if incremental:
+        if sink:
+            to = Sink()
+            for prompt in prompts:
+                engine.submit(prompt, params, None, tokens_only=True, sink=to)
+            while to.finished < sequences:
+                time.sleep(0.001)
+        elif incremental:
             for prompt in prompts:
                 engine.submit(prompt, params, lambda event: done.append(event) if event.finished else None)
             while len(done) < sequences:
@@ -72,8 +97,9 @@ def main() -> int:
         ("one at the end (generate, batch jobs)", False, ()),
         ("every token, streamed (serving)", True, ()),
         ("every token, with two stop strings", True, ("\n\n", "END")),
+        ("every token to a token sink (served over a token link)", True, ()),
     ):
-        per_token = measure(args.sequences, args.tokens, incremental, stop)
+        per_token = measure(args.sequences, args.tokens, incremental, stop, sink=name.endswith("link)"))
         print(f"| {name} | {per_token:.2f} | {per_token * args.sequences / 1000:.2f} |")
     return 0
 

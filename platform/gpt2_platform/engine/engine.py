@@ -34,6 +34,7 @@ from gpt2_platform.engine.requests import (
     EngineDeadError,
     Event,
     GenerationParams,
+    TokenSink,
     validate_request,
 )
 from gpt2_platform.engine.runner import SAMPLING_MODES, Launch, ModelRunner
@@ -42,17 +43,23 @@ from gpt2_platform.model import GPT2
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sequence:
     request_id: int
     prompt: list[int]
     params: GenerationParams
-    on_event: Callable[[Event], None]
+    on_event: Callable[[Event], None] | None  # None: a sink's sequence that no one else waits on
     output: TextOutput | None  # None: events carry tokens only, and the consumer makes the text
+    sink: TokenSink | None = None  # takes its tokens as records, with no Event each
+    sink_key: int = 0
     slot: int = -1
     generated: list[int] = field(default_factory=list)
-    in_flight: int = 0  # launched steps whose token for it is not yet taken in (0, 1 or 2)
-    submitted_at: float = field(default_factory=time.perf_counter)
+    # Tokens started on the device (its prefill, then one per decode step); ahead of `generated` by the
+    # ones not yet taken in (up to 2: the prefill's or the step in flight's, and the step just launched).
+    launched: int = 0
+    max_tokens: int = 0
+    stop_token: int = -1  # end-of-text, or -1 when it is ignored
+    submitted_at: float = 0.0  # time.perf_counter() at submit, then at admission
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -116,7 +123,8 @@ class Engine:
         # With deliver_in_batches: the events of one loop iteration, handed over together at its end.
         self._deliver: Deliver | None = None
         self._outbox: list[tuple[Callable[[Event], None], Event]] = []
-        self._in_flight: tuple[Launch, list[_Sequence]] | None = None  # the step launched, not yet collected
+        self._sinks: set[TokenSink] = set()  # the sinks that took records this iteration
+        self._in_flight: _Iteration | None = None  # what the last iteration started, not yet taken in
         # Counters, read by stats(): how the engine actually batched its work.
         self.num_steps = 0
         self.num_prefills = 0
@@ -124,6 +132,11 @@ class Engine:
         self.num_generated_tokens = 0
         self.num_finished = 0
         self.batch_sizes: Counter[int] = Counter()
+        # Where a request's time to first token goes inside the engine, summed over sequences: waiting
+        # for a slot (submit to admission), then its prefill and the step that hands the token out.
+        self.queue_s = 0.0
+        self.first_token_s = 0.0
+        self.num_first_tokens = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, warmup: bool = True, modes: tuple[str, ...] = SAMPLING_MODES) -> Engine:
@@ -167,10 +180,12 @@ class Engine:
         self,
         prompt_ids: list[int],
         params: GenerationParams,
-        on_event: Callable[[Event], None],
+        on_event: Callable[[Event], None] | None,
         incremental_text: bool = True,
         tokens_only: bool = False,
         request_size: int = 1,
+        sink: TokenSink | None = None,
+        sink_key: int = 0,
     ) -> int:
         """Queue a request; `on_event` is called from the engine thread with each step's output.
 
@@ -179,16 +194,23 @@ class Engine:
         more host time than the GPU step itself. With `tokens_only` every event carries its token
         and no text, and stop strings are the consumer's to apply (engine/output.py's TextOutput,
         e.g. in the process serving HTTP): the engine ends a sequence only at end-of-text or its
-        token budget, or when cancelled. `request_size` is the interface's (engine/protocol.py): this
-        engine queues whatever it is given, so it ignores it.
+        token budget, or when cancelled. With a `sink` (tokens only), each token goes to the sink as
+        a record under `sink_key` instead, and `on_event`, if given, gets only the last event, with no
+        tokens. `request_size` is the interface's (engine/protocol.py): this engine queues whatever it
+        is given, so it ignores it.
         """
         self.check_health()
         params = GenerationParams(params.max_tokens, tuple(params.stop), params.ignore_eos, params.sampling.resolved())
         self.validate(prompt_ids, params)
+        assert on_event is not None or sink is not None, "a sequence needs an on_event or a sink"
         output = None
-        if not tokens_only:
+        if not tokens_only and sink is None:
             output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
-        sequence = _Sequence(next(self._ids), list(prompt_ids), params, on_event, output)
+        stop_token = -1 if params.ignore_eos or self.eos_token_id is None else self.eos_token_id
+        sequence = _Sequence(
+            next(self._ids), list(prompt_ids), params, on_event, output, sink, sink_key,
+            max_tokens=params.max_tokens, stop_token=stop_token, submitted_at=time.perf_counter(),
+        )  # fmt: skip
         with self._wakeup:
             self._waiting.append(sequence)
             self._wakeup.notify()
@@ -249,6 +271,8 @@ class Engine:
         )
 
     def stats(self) -> dict:
+        """Counters since start. `queue_s` and `first_token_s` sum, over the `first_tokens` sequences that
+        have had a token, the seconds from submit to admission and from admission to that first token."""
         running = sum(s is not None for s in self._slots)
         return {
             "steps": self.num_steps,
@@ -259,6 +283,9 @@ class Engine:
             "running": running,
             "waiting": len(self._waiting),
             "max_batch_size_seen": max(self.batch_sizes, default=0),
+            "queue_s": self.queue_s,
+            "first_token_s": self.first_token_s,
+            "first_tokens": self.num_first_tokens,
             "batch_sizes": dict(sorted(self.batch_sizes.items())),
         }
 
@@ -273,12 +300,14 @@ class Engine:
                         return
                     cancelled, self._cancelled = self._cancelled, set()
                 self._drop_cancelled(cancelled)
-                self._admit()
-                # Start this step before taking in the last one's tokens: the device computes while the
-                # host detokenizes and delivers, and the host's work per step leaves the critical path.
+                # Start this iteration's prefill and decode step before taking in the last one's tokens:
+                # the device computes while the host delivers, and nothing here waits for the device but
+                # that intake, so the host's work per step stays off the critical path.
+                prefill = self._admit()
                 launched = self._launch()
                 self._collect()
-                self._in_flight = launched
+                if prefill is not None or launched is not None:
+                    self._in_flight = _Iteration(prefill, launched)
                 self._flush_events()
         except BaseException as error:  # the loop must report any failure to every waiting caller
             logger.exception("engine loop failed")
@@ -292,6 +321,10 @@ class Engine:
             self._outbox.append((sequence.on_event, event))
 
     def _flush_events(self) -> None:
+        if self._sinks:
+            sinks, self._sinks = self._sinks, set()
+            for sink in sinks:
+                sink.send()  # a sink whose consumer is gone cancels its own sequences
         if self._outbox:
             batch, self._outbox = self._outbox, []
             self._deliver(batch)
@@ -310,8 +343,12 @@ class Engine:
         for sequence in dropped + [s for s in self._slots if s is not None and s.request_id in cancelled]:
             self._finish(sequence, "abort", [], "")
 
-    def _admit(self) -> None:
-        """Prefill waiting requests into free slots (lowest first, keeping decode batches small)."""
+    def _admit(self) -> tuple[Launch, list[_Sequence]] | None:
+        """Start the prefill of waiting requests in free slots (lowest first, keeping decode batches small).
+
+        Their first tokens stay on the device, where this iteration's decode step goes on from them;
+        the host takes them in with that step's tokens, in the next iteration.
+        """
         admitted: list[_Sequence] = []
         budget = self.config.max_prefill_tokens
         with self._wakeup:
@@ -323,66 +360,83 @@ class Engine:
                 self._slots[sequence.slot] = sequence
                 admitted.append(sequence)
         if not admitted:
-            return
+            return None
+        now = time.perf_counter()
         for sequence in admitted:
             s = sequence.params.sampling
             self.runner.set_sampling(sequence.slot, s.temperature, s.top_k, s.top_p, s.seed)
-        first = self.runner.prefill([s.prompt for s in admitted], [s.slot for s in admitted])
+            sequence.launched = 1
+            self.queue_s += now - sequence.submitted_at
+            sequence.submitted_at = now
+        prefill = self.runner.start_prefill([s.prompt for s in admitted], [s.slot for s in admitted])
         self.num_prefills += 1
         self.num_prompt_tokens += sum(len(s.prompt) for s in admitted)
-        for sequence, token in zip(admitted, first, strict=True):
-            self._append(sequence, token)
+        return prefill, admitted
 
     def _launch(self) -> tuple[Launch, list[_Sequence]] | None:
         """Start a decode step for every running sequence that may still need a token."""
-        running = [s for s in self._slots if s is not None and len(s.generated) + s.in_flight < s.params.max_tokens]
+        running = [s for s in self._slots if s is not None and s.launched < s.max_tokens]
         if not running:
             return None
-        rows: list[tuple[int, int, int] | None] = [(0, 0, 0)] * (max(s.slot for s in running) + 1)
-        max_position = 0
+        # The token a sequence feeds this step sits at position len(prompt) - 1 + launched.
+        max_position = max(len(s.prompt) + s.launched for s in running) - 1
+        active = max(s.slot for s in running) + 1
         for sequence in running:
-            position = len(sequence.prompt) + len(sequence.generated) - 1 + sequence.in_flight
-            max_position = max(max_position, position)
-            # A sequence whose last token is still on the device goes on from there.
-            rows[sequence.slot] = (
-                None if sequence.in_flight else (sequence.generated[-1], position, len(sequence.generated))
-            )
-            sequence.in_flight += 1
+            sequence.launched += 1
         self.num_steps += 1
         self.batch_sizes[len(running)] += 1
-        return self.runner.launch(rows, max_position), running
+        return self.runner.launch(active, [s.slot for s in running], max_position), running
 
     def _collect(self) -> None:
-        """Take in the tokens of the step launched before; sequences that ended meanwhile drop theirs."""
-        if self._in_flight is None:
+        """Take in the first tokens of the last prefill and the tokens of the last decode step; sequences
+        that ended meanwhile drop theirs."""
+        iteration = self._in_flight
+        if iteration is None:
             return
-        launch, running = self._in_flight
         self._in_flight = None
-        tokens = launch.tokens()
-        for sequence in running:
-            sequence.in_flight -= 1
-            if self._slots[sequence.slot] is sequence:  # not finished (or cancelled) since the launch
-                self._append(sequence, tokens[sequence.slot])
+        slots = self._slots
+        # The prefill ran before the step on the device: its tokens are first in each sequence.
+        for part in (iteration.prefill, iteration.step):
+            if part is None:
+                continue
+            launch, sequences = part
+            tokens = launch.tokens()
+            by_slot = part is iteration.step  # a step's tokens are by slot, a prefill's by admission order
+            for index, sequence in enumerate(sequences):
+                if slots[sequence.slot] is sequence:  # not finished (or cancelled) since the launch
+                    self._append(sequence, tokens[sequence.slot if by_slot else index])
 
     def _append(self, sequence: _Sequence, token: int) -> None:
         """Record one generated token; emit it (and its text), or finish the sequence."""
-        params = sequence.params
         self.num_generated_tokens += 1
-        sequence.generated.append(token)
-        is_eos = token == self.eos_token_id and not params.ignore_eos
-        last = is_eos or len(sequence.generated) >= params.max_tokens
+        generated = sequence.generated
+        generated.append(token)
+        if len(generated) == 1:
+            self.first_token_s += time.perf_counter() - sequence.submitted_at
+            self.num_first_tokens += 1
+        last = token == sequence.stop_token or len(generated) >= sequence.max_tokens
+        if last:
+            reason = "stop" if token == sequence.stop_token else "length"
+        sink = sequence.sink
+        if sink is not None:  # the hot path of a served sequence: one tuple per token
+            if last:
+                self._finish(sequence, reason, [token], "")
+            else:
+                sink.pending.append((sequence.sink_key, token, None, None))
+                self._sinks.add(sink)
+            return
         if sequence.output is None:  # tokens only
             if last:
-                self._finish(sequence, "stop" if is_eos else "length", [token], "")
+                self._finish(sequence, reason, [token], "")
             else:
-                self._emit(sequence, Event(sequence.request_id, [token], "", seed=params.sampling.seed))
+                self._emit(sequence, Event(sequence.request_id, [token], "", seed=sequence.params.sampling.seed))
             return
         emitted = sequence.output.add(token, last)
         if emitted is None:
             return
         tokens, text, reason = emitted
         if reason is None:
-            self._emit(sequence, Event(sequence.request_id, tokens, text, seed=params.sampling.seed))
+            self._emit(sequence, Event(sequence.request_id, tokens, text, seed=sequence.params.sampling.seed))
         else:  # a stop string may end it before the scheduler would
             self._finish(sequence, reason, tokens, text)
 
@@ -392,6 +446,12 @@ class Engine:
         if 0 <= sequence.slot < len(self._slots) and self._slots[sequence.slot] is sequence:
             self._slots[sequence.slot] = None
         self.num_finished += 1
+        if sequence.sink is not None:
+            sequence.sink.add((sequence.sink_key, token_ids[0] if token_ids else -1, reason, error))
+            self._sinks.add(sequence.sink)
+            if sequence.on_event is None:
+                return
+            token_ids = []  # the sink has the tokens; on_event hears only of the end
         self._emit(
             sequence,
             Event(
@@ -419,3 +479,11 @@ class Engine:
             self._flush_events()
         except Exception:
             logger.exception("could not deliver the engine failure")
+
+
+@dataclass(slots=True)
+class _Iteration:
+    """What one loop iteration started on the device: a prefill of new sequences, a decode step, or both."""
+
+    prefill: tuple[Launch, list[_Sequence]] | None
+    step: tuple[Launch, list[_Sequence]] | None

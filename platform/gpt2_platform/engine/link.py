@@ -27,11 +27,11 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 
-from gpt2_platform.engine.requests import GenerationParams
+from gpt2_platform.engine.requests import GenerationParams, TokenRecord
 
 logger = logging.getLogger(__name__)
 
-Record = tuple[int, int, str | None, str | None]
+Record = TokenRecord
 """(key, token or -1, finish reason or None, error or None)"""
 
 Address = tuple[str, int]
@@ -134,8 +134,9 @@ class Link:
 class Outlet:
     """The engine's end of one ingress's link: records gathered during a step, sent as one message.
 
-    `send` runs on the engine's thread once per step. A link that fails (its ingress is gone) is
-    closed, and `on_lost` gets the engine ids of its sequences so the engine can drop them.
+    The engine's token sink (engine/requests.py: TokenSink): `send` runs on the engine's thread once
+    per step. A link that fails (its ingress is gone) is closed, and `on_cancel` gets the engine id of
+    each of its sequences, so the engine frees their slots.
     """
 
     def __init__(
@@ -164,7 +165,7 @@ class Outlet:
             self.engine_ids.pop(record[0], None)
 
     def send(self) -> bool:
-        """Send what the step gathered; False if the link is gone (the caller drops its sequences)."""
+        """Send what the step gathered; False if the link is gone (its sequences are cancelled)."""
         if not self.pending or self.closed:
             self.pending.clear()
             return not self.closed
@@ -178,7 +179,7 @@ class Outlet:
             return True
         except OSError as error:
             logger.warning("token link to %s lost: %r", self.address, error)
-            self.closed = True
+            self._drop_all()
             return False
 
     def close(self) -> None:
@@ -197,12 +198,17 @@ class Outlet:
             pass
         except Exception:
             logger.exception("token link from %s sent something unexpected", self.address)
-        if not self.closed:
-            self.closed = True
-            for engine_id in list(self.engine_ids.values()):  # the ingress is gone: free its slots
-                if engine_id is not None:
-                    self.on_cancel(engine_id)
-            self.engine_ids.clear()
+        self._drop_all()
+
+    def _drop_all(self) -> None:
+        """The ingress is gone: close the link and free the slots of what it was sent (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        for engine_id in list(self.engine_ids.values()):
+            if engine_id is not None:
+                self.on_cancel(engine_id)
+        self.engine_ids.clear()
 
 
 def _no_delay(conn: Connection) -> None:

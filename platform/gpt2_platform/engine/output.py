@@ -21,9 +21,10 @@ class TextOutput:
 
     `add` takes each generated token with what the scheduler knows about it, and returns what to
     emit: the token ids, the new text, and the finish reason (None while the sequence goes on).
-    With `incremental` False (and no stop strings) nothing is emitted until the end, when the whole
-    text is decoded at once: detokenizing every token of a large batch costs more host time than the
-    device step, and a caller that wants only the result need not pay it.
+    With `incremental` False (and no stop strings) only the first token is announced (no ids, no
+    text: a server still learns when its first token came), then nothing until the end, when the
+    whole text is decoded at once: detokenizing every token of a large batch costs more host time
+    than the device step, and a caller that wants only the result need not pay it.
     """
 
     __slots__ = ("detokenizer", "tokenizer", "stop", "hold", "incremental", "generated", "emitted_chars", "eos_id")
@@ -52,7 +53,7 @@ class TextOutput:
         is_eos = token == self.eos_id
         if not self.incremental:
             if not last:
-                return None
+                return ([], "", None) if len(self.generated) == 1 else None
             tokens = self.generated[:-1] if is_eos else self.generated
             return tokens, self._final_text(), "stop" if is_eos else "length"
         if is_eos:

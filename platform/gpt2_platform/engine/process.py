@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from gpt2_platform import gc_pauses
 from gpt2_platform.engine.engine import Engine
 from gpt2_platform.engine.link import Address, Outlet
 from gpt2_platform.engine.requests import (
@@ -318,13 +319,13 @@ class EngineProcess:
 
 # ---- the child -----------------------------------------------------------------------------------
 class _RequestTag:
-    """The child's `on_event` for a request: never called (events go out in batches), it names the
-    parent's id, and for a sequence whose tokens go to an ingress, the link and the ingress's key."""
+    """The child's `on_event` for a request of the parent's: never called (events go out in batches), it
+    names the parent's id."""
 
-    __slots__ = ("request_id", "outlet", "key")
+    __slots__ = ("request_id",)
 
-    def __init__(self, request_id: int | None, outlet: Outlet | None = None, key: int = 0) -> None:
-        self.request_id, self.outlet, self.key = request_id, outlet, key
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
 
     def __call__(self, event: Event) -> None:
         raise AssertionError("the engine process delivers events in batches")
@@ -377,7 +378,7 @@ class _Outlets:
             return
         outlet.engine_ids[key] = None  # before the engine can finish it: its last record removes the key
         try:
-            engine_id = self.engine.submit(prompt_ids, params, _RequestTag(None, outlet, key), tokens_only=True)
+            engine_id = self.engine.submit(prompt_ids, params, None, tokens_only=True, sink=outlet, sink_key=key)
         except (ValueError, EngineDeadError) as error:  # the ingress validated; this is the engine refusing
             outlet.engine_ids.pop(key, None)
             outlet.send_now([(key, -1, "error", f"engine refused: {error}")])
@@ -410,42 +411,13 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
             conn.send(message)
 
     def deliver(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-        """On the engine thread, once per loop iteration: all of its events in one message to the
-        parent, and each ingress's tokens in one message on its link."""
-        packed, outlets = [], set()
+        """On the engine thread, once per loop iteration: all of its events for the parent in one message.
+        (The tokens of sequences that came with a token link went to their ingress, engine/link.py.)"""
+        packed = []
         for tag, event in batch:
-            outlet = tag.outlet
-            if outlet is not None:
-                token = event.token_ids[0] if event.token_ids else -1
-                outlet.add((tag.key, token, event.finish_reason, event.error))
-                outlets.add(outlet)
-                if event.finished and tag.request_id is not None:  # the parent's: it hears only of the end
-                    packed.append(
-                        _pack(
-                            tag.request_id,
-                            Event(
-                                event.request_id,
-                                [],
-                                "",
-                                event.finish_reason,
-                                event.prompt_tokens,
-                                event.completion_tokens,
-                                event.seed,
-                                event.error,
-                            ),
-                        )
-                    )
-                    finished.append(tag.request_id)
-                continue
             packed.append(_pack(tag.request_id, event))
             if event.finished:
                 finished.append(tag.request_id)
-        for outlet in outlets:
-            if not outlet.send():  # its ingress is gone: free the slots of what it was sent
-                for engine_id in list(outlet.engine_ids.values()):
-                    if engine_id is not None:
-                        engine.cancel(engine_id)
-                outlet.engine_ids.clear()
         if packed:
             send(("events", packed))
 
@@ -453,13 +425,16 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
         engine = Engine(checkpoint.load_pretrained(spec.model), load_tokenizer(spec.tokenizer), spec.config)
         engine.deliver_in_batches(deliver)
         engine.start(spec.warmup, spec.modes)
+        # What this process holds by now (torch, the model, the graphs) lives as long as it does: out of
+        # the collector's sight, a full collection no longer walks it while the engine's thread waits.
+        gc_pauses.settle()
     except BaseException:
         send(("failed", traceback.format_exc()))
         return
     try:
         info = {"max_seq_len": engine.max_seq_len, "vocab_size": engine.runner.model.config.vocab_size}
         send(("ready", {**info, "stats": engine.stats()}))
-        _serve_commands(conn, parent_pid, engine, send, finished, _Outlets(engine))
+        _serve_commands(conn, parent_pid, engine, send, finished, _Outlets(engine), gc_pauses.GcPauses())
     except (EOFError, OSError):
         pass  # the parent is gone
     finally:
@@ -474,6 +449,7 @@ def _serve_commands(
     send: Callable[[tuple], None],
     finished: deque[int],
     outlets: _Outlets,
+    pauses: gc_pauses.GcPauses,
 ) -> None:
     engine_ids: dict[int, int] = {}  # parent's request id -> the engine's, for cancel
     last_stats, last_stats_at = None, 0.0
@@ -499,7 +475,8 @@ def _serve_commands(
             send(("dead", str(error)))
             return
         if time.monotonic() - last_stats_at >= _POLL_S:
-            stats, last_stats_at = {**engine.stats(), "link_sequences": outlets.in_flight()}, time.monotonic()
+            stats = {**engine.stats(), "link_sequences": outlets.in_flight(), **pauses.stats()}
+            last_stats_at = time.monotonic()
             if stats != last_stats:
                 send(("stats", stats))
                 last_stats = stats
@@ -518,14 +495,14 @@ def _submit(
     outlet_spec: tuple[Address, bytes, int] | None,
 ) -> None:
     try:
-        tag = _RequestTag(request_id)
+        tag, outlet, key = _RequestTag(request_id), None, 0
         if outlet_spec is not None:
             address, authkey, key = outlet_spec
-            tag = _RequestTag(request_id, outlets.get(address, authkey), key)
-            tag.outlet.engine_ids[key] = None  # before the engine can finish it: its last record removes it
-        engine_id = engine.submit(prompt_ids, params, tag, incremental_text, tokens_only)
+            outlet = outlets.get(address, authkey)
+            outlet.engine_ids[key] = None  # before the engine can finish it: its last record removes it
+        engine_id = engine.submit(prompt_ids, params, tag, incremental_text, tokens_only, sink=outlet, sink_key=key)
         engine_ids[request_id] = engine_id
-        if outlet_spec is not None and tag.key in tag.outlet.engine_ids:
-            tag.outlet.engine_ids[tag.key] = engine_id
+        if outlet is not None and key in outlet.engine_ids:
+            outlet.engine_ids[key] = engine_id
     except (ValueError, EngineDeadError, OSError) as error:  # the parent validated; this is the engine refusing
         send(("events", [(request_id, [], "", "error", len(prompt_ids), 0, 0, f"engine refused: {error}")]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 # Re-exported: the engine and its process import the config from here.
 from gpt2_platform.engine.config import EngineConfig  # noqa: F401
@@ -44,6 +45,25 @@ class Event:
 
 Deliver = Callable[[list[tuple[Callable[[Event], None], Event]]], None]
 """What `deliver_in_batches` takes: a function given one engine step's events as (on_event, event) pairs."""
+
+TokenRecord = tuple[int, int, str | None, str | None]
+"""A sequence's output as a token sink takes it: (key, token or -1, finish reason or None, error or None)."""
+
+
+class TokenSink(Protocol):
+    """Where the engine puts the tokens of the sequences submitted with it (`Engine.submit(sink=...)`):
+    one record per token, gathered during an engine iteration and sent once at its end. No Event is
+    built for them: at hundreds of sequences a step, that per-token object was a large share of the
+    engine's host time (engine/link.py's Outlet is the one sink)."""
+
+    pending: list[TokenRecord]
+    """Records of the iteration so far; the engine appends each token's record here."""
+
+    def add(self, record: TokenRecord) -> None:
+        """Take a sequence's last record (a finish reason set)."""
+
+    def send(self) -> bool:
+        """Send the pending records on; False if the consumer is gone."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -24,9 +25,14 @@ logger = logging.getLogger(__name__)
 
 
 SAMPLING_MODES = ("greedy", "plain", "filtered")
-# Prompts admitted together up to this many go through the one-prompt prefill graph one by one; more
-# (a batch job's first wave) take one eager prefill, whose host cost no longer grows with the batch.
-GRAPHED_PREFILL_MAX = 8
+# A staged prompt row: these columns, then the prompt's tokens. Floats travel as their float64 bits, so
+# one int64 copy carries a prefill's whole input, sampling parameters included.
+_SLOT, _LAST, _TEMPERATURE, _TOP_K, _TOP_P, _SEED, PROMPT_HEADER = range(7)
+# Prompts admitted together up to this many, and up to this many tokens with their padding, replay a
+# prefill graph; more (a batch job's first wave) take one eager prefill, whose launches (milliseconds of
+# host time) are then small beside its compute (jobs/probes/prefill_batching.py).
+GRAPHED_PREFILL_MAX = 32
+GRAPHED_PREFILL_TOKENS = 4096
 """The decode graphs per shape: argmax only, sampling without top-k/top-p, and with them (see `_mode`)."""
 
 
@@ -83,7 +89,11 @@ class ModelRunner:
         # tokenizer's (50304 for 50257), and those ids decode to nothing.
         self.vocab_limit = min(vocab_limit or model.config.vocab_size, model.config.vocab_size)
         self.device = device
-        self.cache = KVCache(model.config, num_slots, max_seq_len, dtype, device)
+        # One slot more than sequences: the padding rows of a prefill graph (a few prompts padded to its
+        # batch) write their cache entries and decode state there, never into a sequence's slot.
+        self.scratch_slot = num_slots
+        state = num_slots + 1
+        self.cache = KVCache(model.config, state, max_seq_len, dtype, device)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.batch_buckets = buckets(num_slots, 1)
         self.span_buckets = buckets(max_seq_len, min(64, max_seq_len))
@@ -100,36 +110,47 @@ class ModelRunner:
         # Decode state, one column per slot; a graph reads columns [:B]. Each step leaves its output
         # token, position + 1 and step + 1 here, so the next step can run before the host has read
         # this one's tokens (see `launch`).
-        self.tokens = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.positions = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.steps = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(state, dtype=torch.long, device=device)
+        self.positions = torch.zeros(state, dtype=torch.long, device=device)
+        self.steps = torch.zeros(state, dtype=torch.long, device=device)
         # What the host sets before a step, in one copy: rows token, position, step, and "fed" (1: take
         # this column from here; 0: keep what the previous step left on the device).
-        self.staged = torch.zeros(4, num_slots, dtype=torch.long, device=device)
+        self.staged = torch.zeros(4, state, dtype=torch.long, device=device)
         # Two of each host buffer: one for the step being set up, one for the step still in flight.
         pinned = device.type == "cuda"
-        self.host_staged = [torch.zeros(4, num_slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.host_staged = [torch.zeros(4, state, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.host_staged_rows = [host.numpy() for host in self.host_staged]  # the same memory, written as arrays
         self.host_out = [torch.zeros(num_slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.launches = 0
-        # Host copies of what decides the sampling mode of a step (see `_mode`).
+        # Host copies of what decides the sampling mode of a step (see `_mode`), and of every slot's sampling
+        # parameters: a prefill carries its slots' to the device in its own staged copy (`start_prefill`).
         self.greedy = [True] * num_slots
         self.limited = [False] * num_slots  # top-k or top-p set
-        self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
-        self.top_k = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
-        self.seed = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.sampling: list[tuple[float, int, float, int]] = [(0.0, 0, 1.0, 0)] * num_slots
+        self._unsent_sampling: set[int] = set()  # set on the host, not yet on the device
+        self.temperature = torch.zeros(state, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(state, dtype=torch.long, device=device)
+        self.top_p = torch.ones(state, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(state, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # A prefill of one prompt (what a lone request, or one joining alone, gets) replays a graph per
-        # (width bucket, mode) too: eager, its 200-odd small kernels cost milliseconds of launches at
-        # batch 1. Its inputs, in one copy: the slot, the last prompt position, then the tokens.
-        self.prefill_graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.one_prompt = torch.zeros(max_seq_len + 2, dtype=torch.long, device=device)
-        # A few prompts admitted together replay that graph once each, from rows staged in one copy:
-        # a server admits a few prompts at a time as requests arrive, and an eager prefill of several
-        # costs more host time than the engine's decode step (jobs/bench_serve.py, engine profile).
+        # Prompts admitted together are staged as rows (header, then tokens) in one copy from pinned memory,
+        # which waits for nothing on the host: a copy from pageable memory would wait for the decode step in
+        # flight. Up to `graphed_prefill_max` of them replay a prefill graph per (batch bucket, width bucket,
+        # mode): eager, a prefill's 200-odd small kernels cost milliseconds of launches, more host time than
+        # the engine's decode step, and a server admits a few prompts at a time as requests arrive
+        # (jobs/bench_serve.py, engine profile). One graph for all of them, not one replay each: a prefill
+        # of a few prompts takes about as long on the GPU as one (jobs/probes/prefill_batching.py). More
+        # prompts than that (a batch job's first wave) take one eager prefill.
+        self.prefill_graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graphed_prefill_max = min(GRAPHED_PREFILL_MAX, num_slots)
-        self.staged_prompts = torch.zeros(self.graphed_prefill_max, max_seq_len + 2, dtype=torch.long, device=device)
-        self.host_prompts = torch.zeros(self.graphed_prefill_max, max_seq_len + 2, dtype=torch.long, pin_memory=pinned)
+        self.prefill_batch_buckets = buckets(self.graphed_prefill_max, 1)
+        self.staged_prompts = torch.zeros(num_slots, PROMPT_HEADER + max_seq_len, dtype=torch.long, device=device)
+        self.host_prompts = [
+            torch.zeros(self.staged_prompts.shape, dtype=torch.long, pin_memory=pinned) for _ in range(2)
+        ]
+        self.host_firsts = [torch.zeros(num_slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._prefill_done: list[torch.cuda.Event | None] = [None, None]  # when each host buffer is free again
+        self.prefills = 0
         self.prompt_positions = torch.arange(max_seq_len, device=device)[None, :]
         # Compiled with dynamic shapes, the step fuses its small kernels (layer norms, GELU,
         # residuals, cache writes) once for every bucket; the graphs are then captured around it.
@@ -154,57 +175,99 @@ class ModelRunner:
             self.pick = torch.compile(self._pick, dynamic=True)
 
     def set_sampling(self, slot: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
-        """A new sequence's sampling parameters, kept on the device for every later step."""
+        """A new sequence's sampling parameters, kept on the device for every later step.
+
+        Held on the host until the slot's prefill, which carries them in its staged copy: four tensor
+        writes per new sequence cost the engine's thread more than the rest of its admission.
+        """
         self.greedy[slot] = temperature <= 0
         self.limited[slot] = top_k > 0 or top_p < 1.0
-        self.temperature[slot] = temperature
-        self.top_k[slot] = top_k
-        self.top_p[slot] = top_p
-        self.seed[slot] = seed
+        self.sampling[slot] = (float(temperature), int(top_k), float(top_p), int(seed))
+        self._unsent_sampling.add(slot)
+
+    def _send_sampling(self) -> None:
+        """Sampling parameters set for slots that no prefill has carried (only tests and probes do that)."""
+        for slot in self._unsent_sampling:
+            temperature, top_k, top_p, seed = self.sampling[slot]
+            self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot] = (
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            )
+        self._unsent_sampling.clear()
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
-        """Run new prompts (each from position 0) into their slots; returns each one's first token."""
-        batch, longest = len(prompts), max(len(p) for p in prompts)
+        """Run new prompts (each from position 0) into their slots and wait for each one's first token."""
+        return self.start_prefill(prompts, slots).tokens()
+
+    @torch.inference_mode()
+    def start_prefill(self, prompts: list[list[int]], slots: list[int]) -> Launch:
+        """Start new prompts (each from position 0) into their slots, with the sampling parameters set for them.
+
+        Nothing waits on the host: the first tokens come with `Launch.tokens()`. Each slot is left on the
+        device as a decode step expects it (its first token, the position after the prompt, step 1), so
+        the next decode step can go on from there before the host has seen the first token.
+        """
+        batch = len(prompts)
+        buffer = self.prefills % 2
+        self.prefills += 1
+        done = self._prefill_done[buffer]
+        if done is not None:
+            done.synchronize()  # the copy from this buffer two prefills ago; long finished in a running engine
+        longest = max(len(p) for p in prompts)
         # Pad to a power-of-two width: few shapes, each warmed before serving (a new
         # attention shape costs hundreds of ms of kernel planning on its first use).
         width = bucket_for(longest, self.prefill_buckets)
         mode = self._mode_of([self.greedy[s] for s in slots], [self.limited[s] for s in slots])
-        if self.use_graphs and batch <= self.graphed_prefill_max:
-            return self._prefill_graphed(prompts, slots)
-        tokens = torch.zeros(batch, width, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            tokens[row, : len(prompt)] = torch.tensor(prompt)
-        tokens = tokens.to(self.device)
-        slot_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
-        positions = self.prompt_positions[:, :width].expand(batch, width)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        return self._prefill(tokens, slot_ids, positions, last, mode).tolist()
-
-    def _prefill_graphed(self, prompts: list[list[int]], slots: list[int]) -> list[int]:
-        """Each prompt through the one-prompt graph of its own width and sampling mode, with one sync."""
-        host = self.host_prompts  # free: the previous prefill's sync waited for its copy
+        rows_in = bucket_for(batch, self.prefill_batch_buckets) if batch <= self.graphed_prefill_max else batch
+        graphed = self._graphed_prefill(rows_in, width)
+        rows_in = rows_in if graphed else batch
+        host = self.host_prompts[buffer]
+        rows = host.numpy()
+        as_float = rows.view("float64")
         for row, (prompt, slot) in enumerate(zip(prompts, slots, strict=True)):
-            host[row, 0], host[row, 1] = slot, len(prompt) - 1
-            host[row, 2 : 2 + len(prompt)] = torch.tensor(prompt)
-        staged = self.staged_prompts[: len(prompts)]
-        staged.copy_(host[: len(prompts)], non_blocking=True)
-        firsts = []
-        for row, (prompt, slot) in enumerate(zip(prompts, slots, strict=True)):
-            width = bucket_for(len(prompt), self.prefill_buckets)
-            mode = self._mode_of([self.greedy[slot]], [self.limited[slot]])
-            # Positions past the prompt keep an earlier prompt's tokens: causal attention keeps them out
-            # of the prompt's own outputs, and decode steps overwrite their cache entries before reading.
-            self.one_prompt[: 2 + width].copy_(staged[row, : 2 + width])
-            graph, out = self.prefill_graphs.get((width, mode)) or self._capture_prefill(width, mode)
+            temperature, top_k, top_p, seed = self.sampling[slot]
+            rows[row, _SLOT], rows[row, _LAST], rows[row, _TOP_K], rows[row, _SEED] = slot, len(prompt) - 1, top_k, seed
+            as_float[row, _TEMPERATURE], as_float[row, _TOP_P] = temperature, top_p
+            rows[row, PROMPT_HEADER : PROMPT_HEADER + len(prompt)] = prompt
+        # A graph's padding rows: greedy, one token long, into the scratch slot.
+        rows[batch:rows_in, :PROMPT_HEADER] = [self.scratch_slot, 0, 0, 0, 0, 0]
+        as_float[batch:rows_in, _TOP_P] = 1.0
+        self._unsent_sampling.difference_update(slots)
+        # Only the columns some prompt reaches: padding past a prompt is never read as its own. Causal
+        # attention keeps an earlier prompt's tokens left there out of this one's outputs, and decode steps
+        # overwrite those positions' cache entries before they read them.
+        columns = PROMPT_HEADER + longest
+        self.staged_prompts[:rows_in, :columns].copy_(host[:rows_in, :columns], non_blocking=True)
+        if graphed:
+            graph, out = self.prefill_graphs.get((rows_in, width, mode)) or self._capture_prefill(rows_in, width, mode)
             graph.replay()
-            firsts.append(out.clone())  # the next replay overwrites `out`
-        return torch.cat(firsts).tolist()
+        else:
+            out = self._prefill(self.staged_prompts[:batch, : PROMPT_HEADER + width], width, mode)
+        result = self.host_firsts[buffer]
+        result[:batch].copy_(out[:batch], non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self._prefill_done[buffer] = done
+        return Launch(result, batch, done)
 
-    def _prefill(
-        self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, last: torch.Tensor, mode: str
-    ) -> torch.Tensor:
-        """Prompts `tokens` `(B, T)` into `slots` `(B,)`; the first token of each, from its logits at `last`."""
+    def _prefill(self, rows: torch.Tensor, width: int, mode: str) -> torch.Tensor:
+        """Staged prompt rows `(B, PROMPT_HEADER + width)` into their slots; the first token of each.
+
+        Sets each slot's sampling parameters from its row, and leaves the slot's first token, position
+        and step where the next decode step reads them.
+        """
+        slots, last = rows[:, _SLOT], rows[:, _LAST]
+        self.temperature[slots] = rows[:, _TEMPERATURE].view(torch.float64).float()
+        self.top_k[slots] = rows[:, _TOP_K]
+        self.top_p[slots] = rows[:, _TOP_P].view(torch.float64).float()
+        self.seed[slots] = rows[:, _SEED]
+        tokens = rows[:, PROMPT_HEADER : PROMPT_HEADER + width]  # (B, T)
+        positions = self.prompt_positions[:, :width].expand(rows.shape[0], width)
         view = self.cache.prefill(slots, positions)
         with self._prefill_attention():
             hidden = self.model.hidden(tokens, positions=positions, cache=view, hidden_at=last)  # (B, C)
@@ -212,25 +275,30 @@ class ModelRunner:
         # The same choice of pick as a decode step's (`_mode`): for greedy rows only, the argmax without
         # sample's float64 sort and noise over the whole vocabulary.
         if mode == "greedy":
-            return torch.argmax(logits.float(), dim=-1)
-        return sample(
-            logits,
-            self.temperature[slots],
-            self.top_k[slots],
-            self.top_p[slots],
-            self.seed[slots],
-            torch.zeros_like(slots),
-            filtered=mode == "filtered",
-        )
+            first = torch.argmax(logits.float(), dim=-1)
+        else:
+            first = sample(
+                logits,
+                self.temperature[slots],
+                self.top_k[slots],
+                self.top_p[slots],
+                self.seed[slots],
+                torch.zeros_like(slots),
+                filtered=mode == "filtered",
+            )
+        self.tokens[slots] = first
+        self.positions[slots] = torch.clamp(last + 1, max=self.max_seq_len - 1)
+        self.steps.index_fill_(0, slots, 1)  # a Python scalar here would be a host copy, refused in a capture
+        return first
 
-    def _prefill_one(self, width: int, mode: str) -> torch.Tensor:
-        """The captured body of a one-prompt prefill: reads `one_prompt` (slot, last position, tokens)."""
-        one = self.one_prompt
-        return self._prefill(one[2 : 2 + width][None, :], one[0:1], self.prompt_positions[:, :width], one[1:2], mode)
+    def _graphed_prefill(self, batch: int, width: int) -> bool:
+        """Whether a prefill of `batch` rows (a batch bucket) at `width` replays a graph."""
+        return self.use_graphs and batch <= self.graphed_prefill_max and batch * width <= GRAPHED_PREFILL_TOKENS
 
-    def _capture_prefill(self, width: int, mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        graph, out = self._capture_graph(lambda: self._prefill_one(width, mode))
-        self.prefill_graphs[(width, mode)] = (graph, out)
+    def _capture_prefill(self, batch: int, width: int, mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        rows = self.staged_prompts[:batch, : PROMPT_HEADER + width]
+        graph, out = self._capture_graph(lambda: self._prefill(rows, width, mode))
+        self.prefill_graphs[(batch, width, mode)] = (graph, out)
         return graph, out
 
     def _prefill_attention(self) -> contextlib.AbstractContextManager:
@@ -308,26 +376,30 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def launch(self, rows: list[tuple[int, int, int] | None], max_position: int) -> Launch:
-        """Start the decode step for slots 0..len(rows)-1 without waiting for it; `Launch.tokens()` waits.
+    def launch(self, active: int, continuing: list[int], max_position: int, fed: np.ndarray | None = None) -> Launch:
+        """Start the decode step for slots 0..active-1 without waiting for it; `Launch.tokens()` waits.
 
-        `rows[i]` is `(token, position, step)` for a slot the host feeds (a sequence just prefilled, or
-        `(0, 0, 0)` for a free slot), or None for a slot that goes on from the previous launch's output
-        on the device. `max_position` is the largest position among the rows, for the span bucket. On
-        CUDA the step runs while the host handles the previous one's tokens; on CPU it runs now.
+        The slots in `continuing` go on from what the device holds for them: their prefill's first
+        token, or the previous step's output, so a step can start before the host has read the one
+        before it. Every other slot in range is fed from `fed` `(3, active)` (rows token, position,
+        step), or without it, position 0 of nothing (a free slot). `max_position` is the largest
+        position among the rows, for the span bucket. On CUDA the step runs while the host handles the
+        previous one's tokens; on CPU it runs now.
         """
-        active = len(rows)
         batch = bucket_for(active, self.batch_buckets)
         span = bucket_for(max_position + 1, self.span_buckets)
         mode = self._mode(active)
+        if self._unsent_sampling:
+            self._send_sampling()
         buffer = self.launches % 2
         self.launches += 1
-        host = self.host_staged[buffer]
-        # Built as lists and copied in once: per-element tensor writes cost ~1.5 ms a step at batch 256.
-        fed = [(0, 0, 0, 0) if row is None else (*row, 1) for row in rows]
-        host[:, :active] = torch.tensor(fed, dtype=torch.long).T
-        host[:, active:batch] = 0
-        host[3, active:batch] = 1  # padding rows are fed position 0 of unused slots
+        host, rows = self.host_staged[buffer], self.host_staged_rows[buffer]
+        # A few whole-row writes, whatever the batch: per-element tensor writes cost ~1.5 ms a step at batch 256.
+        rows[:3, :batch] = 0
+        if fed is not None:
+            rows[:3, :active] = fed
+        rows[3, :batch] = 1  # padding rows are fed position 0 of unused slots
+        rows[3, continuing] = 0
         self.staged[:, :batch].copy_(host[:, :batch], non_blocking=True)
         if self.use_graphs:
             graph, out = self.graphs.get((batch, span, mode)) or self._capture(batch, span, mode)
@@ -344,26 +416,35 @@ class ModelRunner:
 
     def decode(self, tokens: list[int], positions: list[int], steps: list[int]) -> list[int]:
         """The next token for slots 0..len(tokens)-1, every row fed by the host, waiting for the result."""
-        rows = list(zip(tokens, positions, steps, strict=True))
-        return self.launch(rows, max(positions)).tokens()
+        fed = np.array([tokens, positions, steps], dtype=np.int64)
+        return self.launch(len(tokens), [], max(positions), fed).tokens()
 
     def _capture(self, batch: int, span: int, mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        graph, out = self._capture_graph(lambda: self._decode_step(batch, span, mode))
+        # Rows that go on from the device's state advance it in each warm-up run: put it back after them.
+        state = (self.tokens, self.positions, self.steps)
+        graph, out = self._capture_graph(lambda: self._decode_step(batch, span, mode), keep=state)
         self.graphs[(batch, span, mode)] = (graph, out)
         return graph, out
 
-    def _capture_graph(self, step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_graph(
+        self, step: Callable[[], torch.Tensor], keep: tuple[torch.Tensor, ...] = ()
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """`step` captured as a CUDA graph, and the tensor it returns (filled by every replay).
 
-        All graphs share one memory pool: each output is read (copied to the host) right after its
-        replay, before any other graph runs on the stream and may reuse that memory.
+        `step` runs twice first, outside the graph; `keep` are tensors it changes that must hold, after
+        the capture, what they held before (a graph captured on first use, mid-sequence). All graphs
+        share one memory pool: each output is read (copied to the host) right after its replay, before
+        any other graph runs on the stream and may reuse that memory.
         """
+        saved = [t.clone() for t in keep]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up kernels (and cuBLAS workspaces) outside the graph
                 step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        for tensor, before in zip(keep, saved, strict=True):
+            tensor.copy_(before)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool()):
             out = step()
@@ -395,16 +476,16 @@ class ModelRunner:
                     else:
                         self._decode_step(batch, span, mode)
         for width in self.prefill_buckets:
-            self.prefill([[0] * width], [0])  # one prompt: on CUDA, captures the greedy prefill graphs
+            self.prefill([[0] * width], [0])  # one prompt (on CUDA, through its greedy graph)
             if self.num_slots > 1:
                 self.prefill([[0] * width] * 2, [0, 1])  # several
-            if self.use_graphs and self.num_slots > self.graphed_prefill_max:  # more than a few: eager
+            if self.use_graphs and self.num_slots > self.graphed_prefill_max:  # more than a graph takes: eager
                 many = self.graphed_prefill_max + 1
                 self.prefill([[0] * width] * many, list(range(many)))
-            if self.use_graphs:
-                for mode in modes:
-                    if (width, mode) not in self.prefill_graphs:
-                        self._capture_prefill(width, mode)
+            for batch in self.prefill_batch_buckets:
+                for mode in modes if self._graphed_prefill(batch, width) else ():
+                    if (batch, width, mode) not in self.prefill_graphs:
+                        self._capture_prefill(batch, width, mode)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
