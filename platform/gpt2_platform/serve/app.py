@@ -41,6 +41,8 @@ from gpt2_platform import checkpoint
 from gpt2_platform.engine.detokenize import ByteTable
 from gpt2_platform.engine.requests import EngineDeadError, Event, GenerationParams
 from gpt2_platform.engine.sampling import SamplingParams
+from gpt2_platform.gc_pauses import GcPauses
+from gpt2_platform.gc_pauses import settle as settle_gc
 from gpt2_platform.moderation import CONTENT_FILTER, CompletionGuard, Moderator, Verdict, build_moderator
 from gpt2_platform.serve import errors, schemas
 from gpt2_platform.serve.autoscaling import BODIES_IN_FLIGHT
@@ -146,6 +148,10 @@ class GPT2Server:
         self.metrics = ServeMetrics(self.model_name)
         self._bodies_in_flight = 0  # requests whose bodies are still arriving (autoscaling leaves them out)
         self.created = schemas.now_s()
+        # Each request's objects outlive young collections, so full ones come often: keep what this replica
+        # holds for good out of their walk (gc_pauses.py), and count what pauses are left.
+        self.gc_pauses = GcPauses()
+        settle_gc()
         logger.info("serving %s from %s (engine %s)", self.model_name, args.model, args.engine)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -171,6 +177,8 @@ class GPT2Server:
             self.metrics.stop()
         if hasattr(self, "engine"):
             self.engine.shutdown()
+        if hasattr(self, "gc_pauses"):
+            self.gc_pauses.close()
         if hasattr(self, "_tokenize_pool"):
             self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -246,7 +254,7 @@ class GPT2Server:
         for job in jobs:
             self._validate(job, length_param="max_tokens")
         await self._check_prompts(body.prompt_list())
-        choices = await self._admit(jobs)
+        choices = await self._admit(jobs, incremental_text=body.stream)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", schemas.now_s()
         prompt_tokens = sum(len(prompt) for prompt in prompts)
         if body.stream:
@@ -274,7 +282,7 @@ class GPT2Server:
         job = Job(prompt, GenerationParams(max_tokens, sampling=self._sampling(temperature=body.temperature)))
         self._validate(job, length_param="max_length")
         await self._check_prompts([body.prompt])
-        outputs, _ = await self._collect(await self._admit([job]), 1)
+        outputs, _ = await self._collect(await self._admit([job], incremental_text=False), 1)
         text = body.prompt + outputs[0]["text"]
         response = {"generated_text": text, "inference_time": time.perf_counter() - started_at}
         if outputs[0]["finish_reason"] == CONTENT_FILTER:  # the continuation was withheld
@@ -308,6 +316,7 @@ class GPT2Server:
             "replica": context.replica_id.unique_id if context is not None else None,
             "pid": os.getpid(),
             **self.engine.stats(),
+            **self.gc_pauses.stats(),
         }
         return JSONResponse({**await self.engine.engine_stats(), "ingress": ingress})
 
@@ -399,7 +408,7 @@ class GPT2Server:
                     f"{which} was refused by this server's content policy ({verdict.reason})"
                 )
 
-    async def _admit(self, jobs: list[Job]) -> Choices:
+    async def _admit(self, jobs: list[Job], incremental_text: bool = True) -> Choices:
         """Submit the jobs and wait until each has its first event: a token, or the engine's refusal.
 
         An engine holding max_batch_size running plus `max_waiting` waiting sequences refuses more,
@@ -407,7 +416,7 @@ class GPT2Server:
         request larger than that whole bound still runs on an idle engine.) Waiting for the first
         events before answering lets a refusal or a failed engine still be a status code.
         """
-        choices = Choices(self.engine, jobs, self.metrics)
+        choices = Choices(self.engine, jobs, self.metrics, incremental_text)
         try:
             first = await choices.started()
         except BaseException:  # the client went away meanwhile

@@ -79,6 +79,20 @@ class RemoteEngine:
         self._links: list[Link] = []  # engines that have connected, and are still connected
         self._connecting: asyncio.Task | None = None
         self.inlet = Inlet(ray.util.get_node_ip_address(), self._from_link, self._link_lost, self._link_up)
+        try:  # Serve builds a replica on its event loop: bring links up now, not at the first request
+            self._start_connecting(asyncio.get_running_loop())
+        except RuntimeError:  # no loop running here: the first submit starts it
+            pass
+
+    def _start_connecting(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Ask Serve to connect engines to this replica from now on (once), on `loop`.
+
+        Started when the replica is built, so its first requests find a link: a sequence sent before any
+        link is up goes as a Serve call, which costs the engine's replica milliseconds of host time.
+        """
+        self._loop = self._loop or loop
+        if self._connecting is None:
+            self._connecting = self._loop.create_task(self._keep_connecting())
 
     # ---- the engine interface ----------------------------------------------------------------
     def check_health(self) -> None:
@@ -109,7 +123,7 @@ class RemoteEngine:
         number and the rest with 0. The engine refuses the request at its first sequence unless it
         is idle or has room for all of them; the rest are never refused, so a request runs whole or
         not at all, and one larger than the whole bound still runs on an idle engine."""
-        self._loop = self._loop or asyncio.get_running_loop()
+        self._start_connecting(asyncio.get_running_loop())
         self.check_health()
         # The seed is fixed here, so the response can report it before the engine's last word.
         sampling = params.sampling.resolved()
@@ -120,8 +134,6 @@ class RemoteEngine:
         engine_params = GenerationParams(params.max_tokens, (), params.ignore_eos, sampling)
         self._sequences[key] = sequence
         room = self.capacity() - request_size + 1 if request_size else None
-        if self._connecting is None:
-            self._connecting = self._loop.create_task(self._keep_connecting())
         link = min(self._links, key=lambda link: len(link.keys), default=None)
         if link is not None and link.submit(key, list(prompt_ids), engine_params, room):
             sequence.link = link

@@ -42,7 +42,11 @@ class Choices:
     wake-up (building and sending a chunk) is paid per interval, not per token.
     """
 
-    def __init__(self, engine: GenerationEngine, jobs: list[Job], metrics: ServeMetrics) -> None:
+    def __init__(
+        self, engine: GenerationEngine, jobs: list[Job], metrics: ServeMetrics, incremental_text: bool = True
+    ) -> None:
+        """`incremental_text` False: the text comes whole with each sequence's end (a response sent only
+        then needs no text before it, and detokenizing token by token costs the ingress host time)."""
         self._loop = asyncio.get_running_loop()
         self.engine, self.metrics = engine, metrics
         self._first: dict[int, Event] = {}  # each sequence's first event, until every one has had it
@@ -60,7 +64,9 @@ class Choices:
             for index, job in enumerate(jobs):
                 size = len(jobs) if index == 0 else 0  # the engine admits the request whole or not at all
                 on_event = self._on_event_of(index)
-                self.request_ids.append(engine.submit(job.prompt, job.params, on_event, request_size=size))
+                self.request_ids.append(
+                    engine.submit(job.prompt, job.params, on_event, incremental_text, request_size=size)
+                )
         except BaseException:
             self.cancel()
             raise
