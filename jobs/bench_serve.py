@@ -92,6 +92,18 @@ def print_level(level: load.LevelResult) -> None:
     print(load.markdown_row(level, with_engine=False), file=sys.stderr, flush=True)
     if level.process_cpu is not None:
         print(f"  {processes.as_line(level.process_cpu)}", file=sys.stderr, flush=True)
+    split = level.engine_split
+    if split is not None:
+        print(
+            f"  engine: {split['steps']} steps, {split['tokens_per_step']:.1f} tokens a step; a first token waited "
+            f"{split['queue_ms']:.2f} ms for a slot and {split['admission_to_first_token_ms']:.2f} ms from "
+            f"admission (means; the rest of the TTFT is HTTP, the ingress and the token link)",
+            file=sys.stderr,
+            flush=True,
+        )
+        gcs = {k: round(v, 2) for k, v in split.items() if "gc" in k}
+        if gcs:
+            print(f"  full garbage collections: {gcs}", file=sys.stderr, flush=True)
 
 
 def print_engine_stats(settings: load.LoadSettings) -> None:

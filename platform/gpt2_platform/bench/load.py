@@ -68,6 +68,8 @@ class LevelResult:
     engine_tokens_per_s: float | None = None
     """The engine alone at batch size = concurrency, same model and shapes (when measured)."""
     http_to_engine_ratio: float | None = None
+    engine_split: dict | None = None
+    """What the engine's own counters saw over the level (`engine_split`); None for another server."""
 
 
 @dataclass(frozen=True)
@@ -298,6 +300,40 @@ def attach_engine_baseline(levels: list[LevelResult], engine_tokens_per_s: dict[
             level.http_to_engine_ratio = level.generated_tokens_per_s / engine
 
 
+def engine_stats(settings: LoadSettings) -> dict | None:
+    """The engine's counters through our app's /v1/engine/stats (None from a server that has none)."""
+    with httpx.Client(base_url=settings.url, headers=settings.headers, timeout=settings.timeout_s) as client:
+        response = client.get("/v1/engine/stats")
+    return response.json() if response.status_code == 200 else None
+
+
+def engine_split(before: dict | None, after: dict | None) -> dict | None:
+    """Per level, from the engine's counters before and after it: how it batched, and where the time to a
+    first token went inside the engine (mean ms waiting for a slot, then from admission to the first
+    token taken in). The rest of a client's TTFT is HTTP, the ingress and the token link."""
+    keys = ("steps", "generated_tokens", "first_tokens", "queue_s", "first_token_s")
+    if before is None or after is None or any(k not in before or k not in after for k in keys):
+        return None
+    delta = {k: after[k] - before[k] for k in keys}
+    firsts = delta["first_tokens"]
+    split = {
+        "steps": delta["steps"],
+        "tokens_per_step": delta["generated_tokens"] / delta["steps"] if delta["steps"] else math.nan,
+        "queue_ms": 1e3 * delta["queue_s"] / firsts if firsts else math.nan,
+        "admission_to_first_token_ms": 1e3 * delta["first_token_s"] / firsts if firsts else math.nan,
+    }
+    # Full collections (generation 2) in the engine's process over the level, and in the ingress replica
+    # that answered since its start (another replica may have answered before the level).
+    if "gc_count" in before and "gc_count" in after:
+        split["engine_full_gcs"] = after["gc_count"][2] - before["gc_count"][2]
+        split["engine_full_gc_ms"] = 1e3 * (after["gc_s"][2] - before["gc_s"][2])
+    ingress = after.get("ingress", {})
+    if "gc_count" in ingress:
+        split["ingress_full_gcs_since_start"] = ingress["gc_count"][2]
+        split["ingress_longest_full_gc_ms"] = 1e3 * ingress["gc_longest_s"][2]
+    return split
+
+
 def discover_model(settings: LoadSettings) -> str:
     with httpx.Client(base_url=settings.url, headers=settings.headers, timeout=settings.timeout_s) as client:
         models = client.get("/v1/models")
@@ -328,7 +364,9 @@ def sweep(
     try:
         for concurrency in concurrency_levels:
             for mode in modes:
+                before = engine_stats(settings)
                 level = run_level(pool, settings, bodies[mode], concurrency)
+                level.engine_split = engine_split(before, engine_stats(settings))
                 levels.append(level)
                 if level.client_cpu_pct > 85:
                     logger.warning(
