@@ -268,3 +268,18 @@ def _level(mode: str, concurrency: int, tokens_per_s: float) -> load.LevelResult
         per_token_p99_ms=2.0,
         client_cpu_pct=10.0,
     )
+
+
+def test_engine_split_gives_per_level_means_from_the_engines_counters():
+    before = {"steps": 10, "generated_tokens": 100, "first_tokens": 4, "queue_s": 0.5, "first_token_s": 0.2}
+    after = {"steps": 30, "generated_tokens": 2100, "first_tokens": 14, "queue_s": 0.6, "first_token_s": 0.3}
+    before["gc_count"], before["gc_s"] = [5, 2, 1], [0.0, 0.0, 0.1]
+    after["gc_count"], after["gc_s"] = [9, 3, 3], [0.0, 0.0, 0.25]
+    after["ingress"] = {"gc_count": [1, 1, 7], "gc_longest_s": [0.0, 0.0, 0.002]}
+    split = load.engine_split(before, after)
+    assert split["steps"] == 20 and split["tokens_per_step"] == 100
+    assert round(split["queue_ms"], 6) == 10 and round(split["admission_to_first_token_ms"], 6) == 10
+    assert split["engine_full_gcs"] == 2 and round(split["engine_full_gc_ms"], 6) == 150
+    assert split["ingress_full_gcs_since_start"] == 7 and round(split["ingress_longest_full_gc_ms"], 6) == 2
+    assert load.engine_split(None, after) is None
+    assert load.engine_split({"steps": 1}, after) is None  # another server's stats

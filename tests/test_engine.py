@@ -309,3 +309,58 @@ def test_the_two_pass_argmax_picks_what_argmax_picks_ties_included():
     assert expected[1:5].tolist() == [50256, 7, 1025, 0]
     for block in (1, 7, 64, 100000):
         assert argmax_in_blocks(logits, block).tolist() == expected.tolist()
+
+
+class RecordingSink:
+    """A token sink as the token link's Outlet is one: records gathered per iteration, then sent."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+        self.messages: list[list] = []
+
+    def add(self, record: tuple) -> None:
+        self.pending.append(record)
+
+    def send(self) -> bool:
+        if self.pending:
+            self.messages.append(self.pending)
+            self.pending = []
+        return True
+
+
+def test_a_sinks_sequences_send_one_record_per_token_and_their_end_as_events_would(engine, tokenizer):
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    lengths = [1, 2, 17]  # a first token that is also the last, and one that takes a decode step
+    expected = [engine.generate([p], greedy(n))[0].token_ids for p, n in zip(prompts, lengths, strict=True)]
+    sink = RecordingSink()
+    ends = []
+    for key, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+        on_event = ends.append if key == 2 else None  # one has a waiter for its end too, as a Serve call does
+        engine.submit(prompt, greedy(n), on_event, tokens_only=True, sink=sink, sink_key=key)
+    assert wait_until(lambda: sum(r[2] is not None for m in sink.messages for r in m) == 3, timeout_s=30)
+    records = [r for message in sink.messages for r in message]
+    for key, tokens in enumerate(expected):
+        mine = [r for r in records if r[0] == key]
+        assert [r[1] for r in mine] == tokens
+        assert [r[2] for r in mine] == [None] * (len(tokens) - 1) + ["length"]
+    # The prefill's first token and the first decode step's come together; after that, a message a step.
+    assert max(sum(r[0] == 2 for r in message) for message in sink.messages) <= 2
+    (end,) = ends
+    assert end.finish_reason == "length" and end.token_ids == [] and end.completion_tokens == 17
+
+
+def test_stats_split_a_first_tokens_wait_into_queue_and_prefill(engine, tokenizer):
+    before = engine.stats()
+    engine.generate([tokenizer(p)["input_ids"] for p in PROMPTS], greedy(3))
+    after = engine.stats()
+    assert after["first_tokens"] - before["first_tokens"] == len(PROMPTS)
+    assert after["queue_s"] > before["queue_s"] and after["first_token_s"] > before["first_token_s"]
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())

@@ -703,6 +703,10 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(base_url, mo
 
     try:
         assert both_scaled(1)
+        # A new ingress replica has its token link up before its first request (which would otherwise go
+        # as a Serve call, milliseconds of the engine replica's time).
+        with httpx.Client(base_url=f"{base_url}/autoscale", timeout=10) as plain:
+            assert wait_until(lambda: engine_stats(plain)["ingress"]["links"] >= 1, timeout_s=15), "no link yet"
         assert asyncio.run(scale_up()), f"no second replica under load: {running_replicas()} ingress, " + (
             f"{running_replicas('GPT2Engine')} engine"
         )

@@ -153,8 +153,9 @@ class RemoteEngine:
         self._hand_over([(sequence.on_event, self._final(request_id, sequence, [], "", "abort"))])
 
     def stats(self) -> dict[str, Any]:
-        """What this replica has in flight; the engines' own counters come from `engine_stats`."""
-        return {"in_flight": len(self._sequences)}
+        """What this replica has in flight, and over how many token links; the engines' own counters come
+        from `engine_stats`."""
+        return {"in_flight": len(self._sequences), "links": len(self._links)}
 
     async def engine_stats(self) -> dict[str, Any]:
         return await self.handle.stats.remote()
