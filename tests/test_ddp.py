@@ -1,4 +1,5 @@
-"""Two Ray Train workers with DDP take exactly the step one process takes on the same global batch."""
+"""Two Ray Train workers with DDP take exactly the step one process takes on the same global batch, and
+all-reduce gradients only on the last micro-step of each accumulation."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ def global_batch() -> torch.Tensor:
     return torch.randint(0, 257, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
 
 
-def train(micro_batches: list[torch.Tensor], wrap_ddp: bool) -> GPT2:
+def train(micro_batches: list[torch.Tensor], wrap_ddp: bool, all_reduced_at: list[int] | None = None) -> GPT2:
     """NUM_STEPS steps of the tiny model (seeded init) on the given micro-batches.
+
+    `all_reduced_at`, under DDP: gets the micro-step (counted from 1 over the run) of every gradient
+    bucket DDP all-reduces, through a communication hook that then all-reduces as DDP would.
 
     SGD with momentum rather than AdamW: its update is linear in the gradient, so
     the two runs must agree to float precision; Adam's m/sqrt(v) turns float noise
@@ -36,6 +40,17 @@ def train(micro_batches: list[torch.Tensor], wrap_ddp: bool) -> GPT2:
     device = torch.device("cpu")
     model = GPT2(preset("tiny"))
     train_model = parallelize(model, device) if wrap_ddp else model
+    if all_reduced_at is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        micro_step = [0]
+        model.register_forward_pre_hook(lambda module, args: micro_step.__setitem__(0, micro_step[0] + 1))
+
+        def counting_hook(state: list[int], bucket):
+            state.append(micro_step[0])
+            return allreduce_hook(None, bucket)
+
+        train_model.register_comm_hook(all_reduced_at, counting_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     step = TrainStep(train_model, optimizer, resolve_precision("fp32", device), device, grad_clip=1.0)
     for _ in range(NUM_STEPS):
@@ -47,9 +62,11 @@ def ddp_worker(loop_config: dict) -> None:
     """Each rank takes its half of the global batch as 2 micro-batches of 2 (sync on the last only)."""
     rank = ray.train.get_context().get_world_rank()
     local = global_batch()[rank * 4 : (rank + 1) * 4]
-    model = train([local[:2], local[2:]], wrap_ddp=True)
+    all_reduced_at: list[int] = []
+    model = train([local[:2], local[2:]], wrap_ddp=True, all_reduced_at=all_reduced_at)
     assert isinstance(model, GPT2)
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, f"{loop_config['out']}.rank{rank}")
+    torch.save(all_reduced_at, f"{loop_config['out']}.all_reduced_at.rank{rank}")
 
 
 def test_two_ddp_workers_match_one_process_with_the_same_global_batch(ray_cluster, tmp_path: Path):
@@ -63,6 +80,10 @@ def test_two_ddp_workers_match_one_process_with_the_same_global_batch(ray_cluste
         run_config=ray.train.RunConfig(name="ddp-equivalence", storage_path=str(tmp_path)),
     ).fit()
     ranks = [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
+    # 2 micro-steps a step: buckets all-reduced on micro-steps 2, 4 and 6 only, never on 1, 3 or 5.
+    for rank in (0, 1):
+        all_reduced_at = torch.load(f"{out}.all_reduced_at.rank{rank}", weights_only=True)
+        assert set(all_reduced_at) == {2, 4, 6}, f"rank {rank} all-reduced on micro-steps {all_reduced_at}"
 
     batch = global_batch()
     single = train([batch[:4], batch[4:]], wrap_ddp=False).state_dict()
