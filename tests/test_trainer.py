@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +18,20 @@ from gpt2_platform.train.loop import HISTORY, OPTIMIZER_STATE, TRAIN_STATE
 from gpt2_platform.train.trainer import fit
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
 
 
 def history(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / HISTORY).read_text().splitlines()]
+
+
+def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) per tag from the run's TensorBoard event files, as TensorBoard itself reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
 def optimizer_steps(checkpoint_dir: Path) -> int:
@@ -59,8 +71,23 @@ def test_two_workers_learn_and_export_a_model_transformers_loads(ray_cluster, co
     # One of the reported losses (the exporter samples every few seconds, so not necessarily the last).
     exported = float(loss_line.rsplit(" ", 1)[1])
     assert any(exported == pytest.approx(r["loss"], rel=1e-5) for r in records)
-    # The profiler wrote TensorBoard traces next to the run.
-    assert list((result.run_dir / "profile").glob("*.pt.trace.json*"))
+    # TensorBoard scalars beside history.jsonl, the same values at the same steps.
+    scalars = tensorboard_scalars(result.run_dir)
+    assert {"train/loss", "train/lr", "train/grad_norm", "val/loss", "val/perplexity", "perf/tokens_per_s"} <= set(
+        scalars
+    )
+    assert [(step, pytest.approx(value, rel=1e-5)) for step, value in scalars["train/loss"]] == [
+        (r["step"], r["loss"]) for r in records
+    ]
+    # The profiler's traces of steps 2-3, read as the README says (jobs/trace_summary.py).
+    summary = subprocess.run(
+        [sys.executable, "jobs/trace_summary.py", str(result.run_dir / "profile")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "steps 2-3" in summary and "aten::" in summary
 
     # The export loads with transformers and predicts the corpus' fixed frame.
     tokenizer = AutoTokenizer.from_pretrained(result.model_dir)
@@ -99,6 +126,12 @@ def test_worker_failure_resumes_from_checkpoint_and_resubmission_continues(ray_c
     # Checkpoints were taken at steps 4, 8, 10 and 12; Ray keeps the last train.keep_checkpoints (2).
     kept = sorted(p.name for p in again.run_dir.glob("checkpoint_step_*"))
     assert kept == ["checkpoint_step_00000010", "checkpoint_step_00000012"]
+    # TensorBoard: what the failed attempt logged past its checkpoint (steps 5-6) was purged on resume,
+    # so every step has one loss, from the attempt that carried on.
+    losses = tensorboard_scalars(again.run_dir)["train/loss"]
+    assert [step for step, _ in losses] == list(range(1, 13))
+    by_step = {r["step"]: r["loss"] for r in history(again.run_dir) if "loss" in r}  # the last record per step
+    assert [pytest.approx(by_step[step], rel=1e-5) for step, _ in losses] == [value for _, value in losses]
 
 
 def test_nan_loss_stops_the_run_without_a_checkpoint(ray_cluster, corpus, tmp_path):

@@ -24,6 +24,7 @@ from gpt2_platform import checkpoint as ckpt
 from gpt2_platform.config import Config, dump, from_dict
 from gpt2_platform.loading import build_model
 from gpt2_platform.model import GPT2, flops_per_token
+from gpt2_platform.train import traces
 from gpt2_platform.train.metrics import TrainMetrics
 from gpt2_platform.train.parallelize import parallelize
 from gpt2_platform.train.resume import (
@@ -34,6 +35,7 @@ from gpt2_platform.train.resume import (
     checkpoint_dir_name,
     choose_checkpoint,
 )
+from gpt2_platform.train.scalars import ScalarLog
 from gpt2_platform.train.step import TrainStep, build_optimizer, lr_at, resolve_precision
 from gpt2_platform.train.throughput import mfu, peak_memory_gib, peak_tflops
 
@@ -168,12 +170,17 @@ def _inject_failure(run_dir: Path, step: int) -> None:
 
 
 class Profiler:
-    """torch.profiler over a window of optimizer steps, written for TensorBoard."""
+    """torch.profiler over a window of optimizer steps, written as Chrome trace files (train/traces.py).
+
+    Each step is a range of its own in the trace (`traces.STEP_PREFIX` and its number), so a summary and
+    a timeline viewer show where one ends and the next begins.
+    """
 
     def __init__(self, enabled: bool, window: list[int], out_dir: Path, rank: int, device: torch.device) -> None:
         self.first, self.last = window
         self.out_dir, self.rank, self.device = out_dir, rank, device
         self.profiler: torch.profiler.profile | None = None
+        self.step_range: torch.profiler.record_function | None = None
         self.enabled = enabled
 
     def before_step(self, step: int) -> None:
@@ -189,13 +196,29 @@ class Profiler:
                 ),
             )
             self.profiler.__enter__()
+        if self.profiler is not None:
+            self.step_range = torch.profiler.record_function(f"{traces.STEP_PREFIX}{step}")
+            self.step_range.__enter__()
 
     def after_step(self, step: int) -> None:
-        if self.profiler is not None and step >= self.last:
-            self.profiler.__exit__(None, None, None)
-            self.profiler = None
-            if self.rank == 0:
-                logger.info("profiler trace of steps %d-%d written to %s", self.first, self.last, self.out_dir)
+        if self.profiler is None:
+            return
+        assert self.step_range is not None
+        self.step_range.__exit__(None, None, None)
+        if step < self.last:
+            return
+        self.profiler.__exit__(None, None, None)
+        self.profiler = None
+        if self.rank == 0:
+            logger.info(
+                "profiler trace of steps %d-%d written to %s; summary: python jobs/trace_summary.py %s; "
+                "timeline: open it in %s",
+                self.first,
+                self.last,
+                self.out_dir,
+                self.out_dir,
+                traces.VIEWER,
+            )
 
 
 def _configure_worker_logging() -> None:
@@ -274,6 +297,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         if rank == 0:
             logger.info("run already finished at step %d", start_step)
         return
+    # Flushed at every report, so a run that fails loses none of what it wrote.
+    scalars = ScalarLog(run_dir, start_step) if rank == 0 else None
 
     window_loss = torch.zeros((), device=device)
     window_steps, window_start = 0, time.perf_counter()
@@ -328,9 +353,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 metrics["val_loss"] = val_loss
                 metrics["val_ppl"] = math.exp(min(val_loss, 50.0))
         state = {"step": step, "tokens_seen": tokens_seen, "schedule_steps": schedule_steps}
-        _report(metrics, do_checkpoint, rank, run_dir, model, step_fn, config, state)
+        _report(metrics, do_checkpoint, rank, run_dir, model, step_fn, config, state, scalars)
         window_loss.zero_()
         window_steps, window_start = 0, time.perf_counter()
+    if scalars is not None:
+        scalars.close()
 
 
 _METRICS: dict[str, TrainMetrics] = {}
@@ -352,10 +379,13 @@ def _report(
     step_fn: TrainStep,
     config: Config,
     state: dict,
+    scalars: ScalarLog | None,
 ) -> None:
     """Every rank reports (ray.train.report is a barrier); rank 0 alone attaches the checkpoint."""
     if rank == 0:
         _append_history(run_dir, {**metrics, "time": time.time()})
+        if scalars is not None:
+            scalars.record(metrics)
         _train_metrics(config.run.name).record(metrics)
         extra = "".join(f" {k}={metrics[k]:.4g}" for k in ("val_loss", "mfu", "peak_mem_gib") if k in metrics)
         logger.info(
