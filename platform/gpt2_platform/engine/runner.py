@@ -246,14 +246,9 @@ class ModelRunner:
             graph.replay()
         else:
             out = self._prefill(self.staged_prompts[:batch, : PROMPT_HEADER + width], width, mode)
-        result = self.host_firsts[buffer]
-        result[:batch].copy_(out[:batch], non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        self._prefill_done[buffer] = done
-        return Launch(result, batch, done)
+        launch = self._hand_back(out, self.host_firsts[buffer], batch)
+        self._prefill_done[buffer] = launch.done
+        return launch
 
     def _prefill(self, rows: torch.Tensor, width: int, mode: str) -> torch.Tensor:
         """Staged prompt rows `(B, PROMPT_HEADER + width)` into their slots; the first token of each.
@@ -406,13 +401,16 @@ class ModelRunner:
             graph.replay()
         else:
             out = self._decode_step(batch, span, mode)
-        result = self.host_out[buffer]
-        result[:active].copy_(out[:active], non_blocking=True)
+        return self._hand_back(out, self.host_out[buffer], active)
+
+    def _hand_back(self, out: torch.Tensor, host: torch.Tensor, count: int) -> Launch:
+        """`out[:count]` on its way to the pinned `host` without waiting; the Launch that waits for it."""
+        host[:count].copy_(out[:count], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return Launch(result, active, done)
+        return Launch(host, count, done)
 
     def decode(self, tokens: list[int], positions: list[int], steps: list[int]) -> list[int]:
         """The next token for slots 0..len(tokens)-1, every row fed by the host, waiting for the result."""
