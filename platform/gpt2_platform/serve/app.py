@@ -150,8 +150,8 @@ class GPT2Server:
         self.created = schemas.now_s()
         # Each request's objects outlive young collections, so full ones come often: keep what this replica
         # holds for good out of their walk (gc_pauses.py), and count what pauses are left.
-        self.gc_pauses = GcPauses()
         settle_gc()
+        self.gc_pauses = GcPauses()
         logger.info("serving %s from %s (engine %s)", self.model_name, args.model, args.engine)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
