@@ -280,3 +280,18 @@ def test_batch_config_reports_malformed_yaml_the_same_way(tmp_path: Path) -> Non
     path.write_text("input:\n  paths: [prompts.parquet\noutput:\n  path: out\n")
     with pytest.raises(ConfigError, match=f"^config file {re.escape(str(path))}, line 3 column 7 is not valid YAML"):
         batch_config.load(path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["scaling.cpu_offload=true"], "scaling.cpu_offload needs scaling.strategy=fsdp"),
+        (["scaling.strategy=fsdp", "train.precision=fp16"], "fp16 is not implemented with scaling.strategy=fsdp"),
+    ],
+)
+def test_fsdp_only_settings_are_refused_where_they_do_not_apply(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match="scaling.strategy must be one of 'ddp', 'fsdp'"):
+        load(None, ["scaling.strategy=zero3"])
+    with pytest.raises(ConfigError, match=message):
+        load(None, overrides)
+    load(None, ["scaling.strategy=fsdp", "scaling.cpu_offload=true", "train.precision=bf16"])  # together: fine

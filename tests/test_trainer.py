@@ -104,7 +104,9 @@ def test_two_workers_learn_and_export_a_model_transformers_loads(ray_cluster, co
     assert config_vocab == 257
 
 
-def test_worker_failure_resumes_from_checkpoint_and_resubmission_continues(ray_cluster, corpus, tmp_path):
+def test_worker_failure_resumes_from_checkpoint(ray_cluster, corpus, tmp_path):
+    # (Resubmitting a finished run with a later max_steps continues it: the FSDP test below and
+    # tests/test_train_resume.py show it.)
     overrides = ["scaling.num_workers=2", "train.log_every=1", "train.checkpoint_every=4", "train.max_failures=1"]
     config = tiny_config(corpus, tmp_path, *overrides, "train.max_steps=10", "train.fail_at_step=7")
     result = fit(config)
@@ -115,22 +117,14 @@ def test_worker_failure_resumes_from_checkpoint_and_resubmission_continues(ray_c
     after_restart = records[[i for i, r in enumerate(records) if r.get("event") == "start"][1] + 1 :]
     assert [r["step"] for r in after_restart] == [5, 6, 7, 8, 9, 10]
     assert optimizer_steps(result.checkpoint_dir) == 10, "no optimizer step repeated or skipped"
-
-    # Submitting the same run again with a later max_steps continues from step 10.
-    again = fit(tiny_config(corpus, tmp_path, *overrides, "train.max_steps=12"))
-    assert again.run_dir == result.run_dir
-    starts = [r["start_step"] for r in history(again.run_dir) if r.get("event") == "start"]
-    assert starts[-1] == 10
-    assert optimizer_steps(again.checkpoint_dir) == 12
-    assert again.metrics["step"] == 12
-    # Checkpoints were taken at steps 4, 8, 10 and 12; Ray keeps the last train.keep_checkpoints (2).
-    kept = sorted(p.name for p in again.run_dir.glob("checkpoint_step_*"))
-    assert kept == ["checkpoint_step_00000010", "checkpoint_step_00000012"]
+    # Checkpoints were taken at steps 4, 8 and 10; Ray keeps the last train.keep_checkpoints (2).
+    kept = sorted(p.name for p in result.run_dir.glob("checkpoint_step_*"))
+    assert kept == ["checkpoint_step_00000008", "checkpoint_step_00000010"]
     # TensorBoard: what the failed attempt logged past its checkpoint (steps 5-6) was purged on resume,
     # so every step has one loss, from the attempt that carried on.
-    losses = tensorboard_scalars(again.run_dir)["train/loss"]
-    assert [step for step, _ in losses] == list(range(1, 13))
-    by_step = {r["step"]: r["loss"] for r in history(again.run_dir) if "loss" in r}  # the last record per step
+    losses = tensorboard_scalars(result.run_dir)["train/loss"]
+    assert [step for step, _ in losses] == list(range(1, 11))
+    by_step = {r["step"]: r["loss"] for r in records if "loss" in r}  # the last record per step
     assert [pytest.approx(by_step[step], rel=1e-5) for step, _ in losses] == [value for _, value in losses]
 
 
@@ -148,3 +142,27 @@ def test_nan_loss_stops_the_run_without_a_checkpoint(ray_cluster, corpus, tmp_pa
     run_dir = tmp_path / config.run.name
     saved = [json.loads((p / TRAIN_STATE).read_text())["step"] for p in run_dir.glob("checkpoint_step_*")]
     assert all(step < bad_step for step in saved), f"checkpoints {saved} include the broken step {bad_step}"
+
+
+def test_an_fsdp_run_resumes_on_fewer_workers_and_exports_what_transformers_loads(ray_cluster, corpus, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from gpt2_platform import checkpoint
+
+    overrides = ["scaling.strategy=fsdp", "train.checkpoint_every=3", "train.eval_every=0"]
+    first = fit(tiny_config(corpus, tmp_path, *overrides, "scaling.num_workers=2", "train.max_steps=6"))
+    assert optimizer_steps(first.checkpoint_dir) == 6
+    # The same run on one worker: the gathered checkpoint (weights and optimizer state by parameter name)
+    # is sharded again over however many workers there are.
+    again = fit(tiny_config(corpus, tmp_path, *overrides, "scaling.num_workers=1", "train.max_steps=8"))
+    starts = [r["start_step"] for r in history(again.run_dir) if r.get("event") == "start"]
+    assert starts == [0, 6]
+    assert optimizer_steps(again.checkpoint_dir) == 8, "no optimizer step repeated or skipped"
+    records = [r for r in history(again.run_dir) if "loss" in r]
+    assert records[-1]["loss"] < records[0]["loss"], "the resumed run should keep learning"
+
+    ids = torch.tensor([list(b"alice has 3 apples. bob gives")])
+    theirs = AutoModelForCausalLM.from_pretrained(again.model_dir).eval()
+    ours = checkpoint.load_pretrained(str(again.model_dir)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids)[0], rtol=1e-5, atol=1e-5)

@@ -54,11 +54,12 @@ def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return {".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS): t for name, t in state_dict.items()}
 
 
-def to_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Our parameters under Hugging Face names and layouts (a tied head omitted, as HF saves it)."""
+def to_hf_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Our parameters under Hugging Face names and layouts (a tied head omitted, as HF saves it);
+    `state_dict`: the model's, gathered whole already (a sharded model's holds only its shards)."""
     out = {}
     tied = unwrap(model).config.tie_word_embeddings
-    for name, tensor in clean_state_dict(unwrap(model).state_dict()).items():
+    for name, tensor in clean_state_dict(state_dict or unwrap(model).state_dict()).items():
         if name == "lm_head.weight" and tied:
             continue
         if name.endswith(_CONV1D_SUFFIXES):
@@ -221,12 +222,14 @@ def staged_directory(target: str | Path, overwrite: bool = False) -> Iterator[Pa
         raise
 
 
-def write_weights(model: nn.Module, directory: str | Path, **hf_extra: object) -> None:
-    """Write config.json and model.safetensors into an existing directory."""
+def write_weights(
+    model: nn.Module, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None, **hf_extra: object
+) -> None:
+    """Write config.json and model.safetensors into an existing directory (`state_dict`: as to_hf_state_dict's)."""
     directory = Path(directory)
     config = unwrap(model).config
     hf_config(config, **hf_extra).save_pretrained(directory)
-    save_file(to_hf_state_dict(model), str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(to_hf_state_dict(model, state_dict), str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
 
 def save_pretrained(

@@ -20,6 +20,7 @@ import yaml
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 DataFormat = Literal["auto", "text", "jsonl", "parquet"]
+Strategy = Literal["ddp", "fsdp"]
 
 
 class ConfigError(ValueError):
@@ -176,8 +177,17 @@ class ScalingConfig:
     resource_timeout_s: float = 600.0
     """How long to wait for room for the workers (held by other work, or nodes an autoscaler adds); a fixed
     cluster too small for them is refused at once."""
+    strategy: Strategy = "ddp"
+    """ddp (every worker holds the whole model) or fsdp (FSDP2: parameters, gradients and optimizer state
+    sharded over the workers, each block gathered for its own compute; also on one worker, with offload)."""
+    cpu_offload: bool = False
+    """fsdp only: keep parameters, gradients and optimizer state in CPU memory (the optimizer steps there)."""
 
     def __post_init__(self) -> None:
+        if self.strategy not in ("ddp", "fsdp"):
+            raise ConfigError(f"scaling.strategy must be ddp or fsdp, got {self.strategy!r}")
+        if self.cpu_offload and self.strategy != "fsdp":
+            raise ConfigError("scaling.cpu_offload needs scaling.strategy=fsdp (DDP keeps the whole model on each GPU)")
         if self.num_workers < 1:
             raise ConfigError(f"scaling.num_workers must be >= 1, got {self.num_workers}")
         if not (math.isfinite(self.resource_timeout_s) and self.resource_timeout_s >= 0):
@@ -214,6 +224,11 @@ class Config:
 
     def __post_init__(self) -> None:
         train, workers = self.train, self.scaling.num_workers
+        if self.scaling.strategy == "fsdp" and train.precision == "fp16":
+            raise ConfigError(
+                "train.precision=fp16 is not implemented with scaling.strategy=fsdp (its loss scaling would need "
+                "sharded gradients); use bf16 (or fp32), or strategy=ddp"
+            )
         if train.global_batch_size is not None:
             per_step = train.micro_batch_size * workers
             if train.global_batch_size % per_step:

@@ -19,6 +19,12 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from gpt2_platform import checkpoint as ckpt
 from gpt2_platform.config import Config, dump, from_dict
@@ -26,7 +32,7 @@ from gpt2_platform.loading import build_model
 from gpt2_platform.model import GPT2, flops_per_token
 from gpt2_platform.train import traces
 from gpt2_platform.train.metrics import TrainMetrics
-from gpt2_platform.train.parallelize import parallelize
+from gpt2_platform.train.parallelize import is_sharded, parallelize
 from gpt2_platform.train.resume import (
     OPTIMIZER_STATE,
     SCALER_STATE,
@@ -104,10 +110,51 @@ def evaluate(
     return total / count if count else None
 
 
-def save_checkpoint(directory: Path, model: GPT2, step_fn: TrainStep, state: dict, config: Config) -> None:
-    """Model (Hugging Face format), optimizer, scaler, step and config into one directory."""
-    ckpt.write_weights(model, directory)
-    torch.save(step_fn.optimizer.state_dict(), directory / OPTIMIZER_STATE)
+@dataclass
+class FullStates:
+    """A sharded (FSDP) model's weights and optimizer state, gathered whole: what rank 0 writes."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict
+
+
+def gather_full_states(model: GPT2, optimizer: torch.optim.Optimizer) -> FullStates | None:
+    """On every rank (collectives): the full state dicts of a sharded model, on the CPU; None for a model
+    that is not sharded (every rank already holds it whole). The optimizer's is keyed by parameter name,
+    so it loads into any number of workers."""
+    if not is_sharded(model):
+        return None
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return FullStates(
+        get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    )
+
+
+def load_optimizer_state(model: GPT2, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """A checkpoint's optimizer state into this run's optimizer, whatever wrote it.
+
+    Keyed by parameter name (an FSDP run's): placed into any model, sharded or not. Keyed by position
+    (a DDP run's `optimizer.state_dict()`): loads into a model that is not sharded.
+    """
+    keyed_by_name = any(isinstance(key, str) for key in state.get("state", {}))
+    if keyed_by_name:
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    elif is_sharded(model):
+        raise ValueError(
+            "this checkpoint's optimizer state was written by a DDP run (keyed by position); resume it with "
+            "scaling.strategy=ddp, or start a new run from its weights (model.init_from)"
+        )
+    else:
+        optimizer.load_state_dict(state)
+
+
+def save_checkpoint(
+    directory: Path, model: GPT2, step_fn: TrainStep, state: dict, config: Config, full: FullStates | None = None
+) -> None:
+    """Model (Hugging Face format), optimizer, scaler, step and config into one directory; a sharded
+    model's from `full` (gathered on every rank beforehand)."""
+    ckpt.write_weights(model, directory, state_dict=full.model if full is not None else None)
+    torch.save(full.optimizer if full is not None else step_fn.optimizer.state_dict(), directory / OPTIMIZER_STATE)
     if step_fn.precision.use_grad_scaler:
         torch.save(step_fn.scaler.state_dict(), directory / SCALER_STATE)
     (directory / TRAIN_STATE).write_text(json.dumps(state))
@@ -256,13 +303,22 @@ def train_loop_per_worker(loop_config: dict) -> None:
     model = build_model(config.model).to(device)
     precision = resolve_precision(tc.precision, device)
     resume = resume_checkpoint(run_dir, model, device, rank, loop_config.get("resume_from"))
-    train_model = parallelize(model, device, tc.compile, tc.gradient_checkpointing)
+    scaling = config.scaling
+    train_model = parallelize(
+        model,
+        device,
+        tc.compile,
+        tc.gradient_checkpointing,
+        scaling.strategy,
+        precision.autocast_dtype,
+        scaling.cpu_offload,
+    )
     step_fn = TrainStep(
         train_model, build_optimizer(model, config.optim, device), precision, device, config.optim.grad_clip
     )
     start_step, tokens_seen, schedule_steps = 0, 0, tc.max_steps
     if resume is not None:
-        step_fn.optimizer.load_state_dict(resume.loaded.optimizer)
+        load_optimizer_state(model, step_fn.optimizer, resume.loaded.optimizer)
         if resume.loaded.scaler is not None:
             step_fn.scaler.load_state_dict(resume.loaded.scaler)
         # The schedule keeps the length of the run that started it (see trainer.check_resume).
@@ -397,9 +453,10 @@ def _report(
             metrics["tokens_per_s"],
             extra,
         )
+    full = gather_full_states(model, step_fn.optimizer) if do_checkpoint else None  # every rank takes part
     if do_checkpoint and rank == 0:
         with tempfile.TemporaryDirectory() as directory:
-            save_checkpoint(Path(directory), model, step_fn, state, config)
+            save_checkpoint(Path(directory), model, step_fn, state, config, full)
             ray.train.report(
                 metrics,
                 checkpoint=ray.train.Checkpoint.from_directory(directory),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from gpt2_platform.config import OptimConfig
 from gpt2_platform.train.parallelize import no_sync
@@ -64,7 +65,9 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) 
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = device.type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+    # Fused needs every parameter on the GPU: FSDP's CPU offload keeps them (and this step) on the CPU.
+    on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in params)
+    fused = on_gpu and "fused" in inspect.signature(torch.optim.AdamW).parameters
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), fused=fused or None)
 
 
@@ -114,4 +117,6 @@ class TrainStep:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        if isinstance(grad_norm, DTensor):  # sharded gradients (FSDP): the norm of the whole
+            grad_norm = grad_norm.full_tensor()
         return loss_sum, grad_norm
