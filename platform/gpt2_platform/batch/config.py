@@ -53,7 +53,7 @@ class InputConfig:
 @dataclass
 class OutputConfig:
     path: str = ""
-    """Output directory: Parquet files plus summary.json; rerunning with the same path resumes."""
+    """Output directory: Parquet files plus _summary.json; rerunning with the same path resumes."""
     progress_bars: bool = True
     """Show Ray Data's progress bars while the job runs."""
 
