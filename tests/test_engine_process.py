@@ -281,7 +281,9 @@ def test_a_cancel_on_the_link_frees_the_slot_and_a_wrong_key_is_refused(engine_p
     ingress = Ingress()
     ends: list[Event] = []
     engine_process.submit(list(b"a long story"), greedy(110), ends.append, tokens_only=True, outlet=ingress.outlet(7))
-    assert wait_until(lambda: ingress.records, timeout_s=30)
+    # Cancel as soon as tokens come: polled every 0.1 s, the whole sequence (110 steps of a tiny model) once
+    # finished before the cancel was sent.
+    assert wait_until(lambda: ingress.records, timeout_s=30, interval_s=0.001)
     ingress.links[0].cancel(7)
     assert wait_until(lambda: ends, timeout_s=10) and ends[0].finish_reason == "abort"
     assert len(ingress.records) < 110
