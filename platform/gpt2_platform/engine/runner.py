@@ -168,7 +168,10 @@ class ModelRunner:
         self.forward, self.pick = self._forward, self._pick
         if compile_step:
             # Batch 1 is specialised, and `pick` has one variant per mode: past dynamo's default
-            # limit of 8 it would quietly fall back to eager for the rest.
+            # limit of 8 it would quietly fall back to eager for the rest. Process-wide, as dynamo has it:
+            # the limit is read whenever a compiled function meets a new shape, at any step of the engine's
+            # life, so a setting scoped to this constructor would not hold. Only ever raised, never lowered,
+            # so other compiled code in the process keeps at least the room it had.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
             if self.decoder is None:
                 self.forward = torch.compile(self._forward, dynamic=True)
