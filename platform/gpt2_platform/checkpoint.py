@@ -59,7 +59,7 @@ def to_hf_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | Non
     `state_dict`: the model's, gathered whole already (a sharded model's holds only its shards)."""
     out = {}
     tied = unwrap(model).config.tie_word_embeddings
-    for name, tensor in clean_state_dict(state_dict or unwrap(model).state_dict()).items():
+    for name, tensor in clean_state_dict(unwrap(model).state_dict() if state_dict is None else state_dict).items():
         if name == "lm_head.weight" and tied:
             continue
         if name.endswith(_CONV1D_SUFFIXES):

@@ -57,9 +57,11 @@ class _Sequence:
     # Tokens started on the device (its prefill, then one per decode step); ahead of `generated` by the
     # ones not yet taken in (up to 2: the prefill's or the step in flight's, and the step just launched).
     launched: int = 0
+    # From params, read once per token: the budget, and end-of-text (-1 when it is ignored).
     max_tokens: int = 0
-    stop_token: int = -1  # end-of-text, or -1 when it is ignored
-    submitted_at: float = 0.0  # time.perf_counter() at submit, then at admission
+    stop_token: int = -1
+    submitted_at: float = 0.0  # time.perf_counter(), for stats()
+    admitted_at: float = 0.0
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -367,7 +369,7 @@ class Engine:
             self.runner.set_sampling(sequence.slot, s.temperature, s.top_k, s.top_p, s.seed)
             sequence.launched = 1
             self.queue_s += now - sequence.submitted_at
-            sequence.submitted_at = now
+            sequence.admitted_at = now
         prefill = self.runner.start_prefill([s.prompt for s in admitted], [s.slot for s in admitted])
         self.num_prefills += 1
         self.num_prompt_tokens += sum(len(s.prompt) for s in admitted)
@@ -395,16 +397,18 @@ class Engine:
             return
         self._in_flight = None
         slots = self._slots
-        # The prefill ran before the step on the device: its tokens are first in each sequence.
-        for part in (iteration.prefill, iteration.step):
-            if part is None:
-                continue
-            launch, sequences = part
-            tokens = launch.tokens()
-            by_slot = part is iteration.step  # a step's tokens are by slot, a prefill's by admission order
-            for index, sequence in enumerate(sequences):
+        # The prefill ran before the step on the device: its tokens (in admission order) come first.
+        if iteration.prefill is not None:
+            launch, admitted = iteration.prefill
+            for sequence, token in zip(admitted, launch.tokens(), strict=True):
                 if slots[sequence.slot] is sequence:  # not finished (or cancelled) since the launch
-                    self._append(sequence, tokens[sequence.slot if by_slot else index])
+                    self._append(sequence, token)
+        if iteration.step is not None:
+            launch, running = iteration.step
+            tokens = launch.tokens()  # by slot
+            for sequence in running:
+                if slots[sequence.slot] is sequence:
+                    self._append(sequence, tokens[sequence.slot])
 
     def _append(self, sequence: _Sequence, token: int) -> None:
         """Record one generated token; emit it (and its text), or finish the sequence."""
@@ -412,7 +416,7 @@ class Engine:
         generated = sequence.generated
         generated.append(token)
         if len(generated) == 1:
-            self.first_token_s += time.perf_counter() - sequence.submitted_at
+            self.first_token_s += time.perf_counter() - sequence.admitted_at
             self.num_first_tokens += 1
         last = token == sequence.stop_token or len(generated) >= sequence.max_tokens
         if last:

@@ -376,15 +376,10 @@ class _Outlets:
             message = f"{stats['running']} sequences running, {stats['waiting']} waiting"
             outlet.send_now([(key, -1, "refused", message)])
             return
-        outlet.engine_ids[key] = None  # before the engine can finish it: its last record removes the key
         try:
-            engine_id = self.engine.submit(prompt_ids, params, None, tokens_only=True, sink=outlet, sink_key=key)
+            _submit_to_outlet(self.engine, outlet, key, prompt_ids, params, None)
         except (ValueError, EngineDeadError) as error:  # the ingress validated; this is the engine refusing
-            outlet.engine_ids.pop(key, None)
             outlet.send_now([(key, -1, "error", f"engine refused: {error}")])
-            return
-        if key in outlet.engine_ids:  # not finished already
-            outlet.engine_ids[key] = engine_id
 
     def in_flight(self) -> int:
         """Sequences that came over links and have not finished."""
@@ -482,6 +477,27 @@ def _serve_commands(
                 last_stats = stats
 
 
+def _submit_to_outlet(
+    engine: Engine,
+    outlet: Outlet,
+    key: int,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    on_event: Callable[[Event], None] | None,
+) -> int:
+    """A sequence whose tokens go to `outlet` under `key`, known to the outlet by its engine id (for the
+    ingress's cancels) from before the engine can finish it: its last record removes the key."""
+    outlet.engine_ids[key] = None
+    try:
+        engine_id = engine.submit(prompt_ids, params, on_event, tokens_only=True, sink=outlet, sink_key=key)
+    except BaseException:
+        outlet.engine_ids.pop(key, None)  # refused: nothing in flight for this key
+        raise
+    if key in outlet.engine_ids:  # not finished already
+        outlet.engine_ids[key] = engine_id
+    return engine_id
+
+
 def _submit(
     engine: Engine,
     engine_ids: dict[int, int],
@@ -495,14 +511,12 @@ def _submit(
     outlet_spec: tuple[Address, bytes, int] | None,
 ) -> None:
     try:
-        tag, outlet, key = _RequestTag(request_id), None, 0
-        if outlet_spec is not None:
+        tag = _RequestTag(request_id)
+        if outlet_spec is None:
+            engine_ids[request_id] = engine.submit(prompt_ids, params, tag, incremental_text, tokens_only)
+        else:
             address, authkey, key = outlet_spec
             outlet = outlets.get(address, authkey)
-            outlet.engine_ids[key] = None  # before the engine can finish it: its last record removes it
-        engine_id = engine.submit(prompt_ids, params, tag, incremental_text, tokens_only, sink=outlet, sink_key=key)
-        engine_ids[request_id] = engine_id
-        if outlet is not None and key in outlet.engine_ids:
-            outlet.engine_ids[key] = engine_id
+            engine_ids[request_id] = _submit_to_outlet(engine, outlet, key, prompt_ids, params, tag)
     except (ValueError, EngineDeadError, OSError) as error:  # the parent validated; this is the engine refusing
         send(("events", [(request_id, [], "", "error", len(prompt_ids), 0, 0, f"engine refused: {error}")]))

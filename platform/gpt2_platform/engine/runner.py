@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 SAMPLING_MODES = ("greedy", "plain", "filtered")
+"""The decode graphs per shape: argmax only, sampling without top-k/top-p, and with them (see `_mode`)."""
 # A staged prompt row: these columns, then the prompt's tokens. Floats travel as their float64 bits, so
 # one int64 copy carries a prefill's whole input, sampling parameters included.
 _SLOT, _LAST, _TEMPERATURE, _TOP_K, _TOP_P, _SEED, PROMPT_HEADER = range(7)
@@ -33,7 +34,6 @@ _SLOT, _LAST, _TEMPERATURE, _TOP_K, _TOP_P, _SEED, PROMPT_HEADER = range(7)
 # host time) are then small beside its compute (jobs/probes/prefill_batching.py).
 GRAPHED_PREFILL_MAX = 32
 GRAPHED_PREFILL_TOKENS = 4096
-"""The decode graphs per shape: argmax only, sampling without top-k/top-p, and with them (see `_mode`)."""
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -191,13 +191,10 @@ class ModelRunner:
     def _send_sampling(self) -> None:
         """Sampling parameters set for slots that no prefill has carried (only tests and probes do that)."""
         for slot in self._unsent_sampling:
-            temperature, top_k, top_p, seed = self.sampling[slot]
-            self.temperature[slot], self.top_k[slot], self.top_p[slot], self.seed[slot] = (
-                temperature,
-                top_k,
-                top_p,
-                seed,
-            )
+            for tensor, value in zip(
+                (self.temperature, self.top_k, self.top_p, self.seed), self.sampling[slot], strict=True
+            ):
+                tensor[slot] = value
         self._unsent_sampling.clear()
 
     @torch.inference_mode()
@@ -224,9 +221,9 @@ class ModelRunner:
         # attention shape costs hundreds of ms of kernel planning on its first use).
         width = bucket_for(longest, self.prefill_buckets)
         mode = self._mode_of([self.greedy[s] for s in slots], [self.limited[s] for s in slots])
-        rows_in = bucket_for(batch, self.prefill_batch_buckets) if batch <= self.graphed_prefill_max else batch
-        graphed = self._graphed_prefill(rows_in, width)
-        rows_in = rows_in if graphed else batch
+        bucket = bucket_for(batch, self.prefill_batch_buckets) if batch <= self.graphed_prefill_max else batch
+        graphed = self._graphed_prefill(bucket, width)
+        rows_in = bucket if graphed else batch  # a graph's batch takes padding rows
         host = self.host_prompts[buffer]
         rows = host.numpy()
         as_float = rows.view("float64")

@@ -37,12 +37,10 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 from transformers import PreTrainedTokenizerBase
 
-from gpt2_platform import checkpoint
+from gpt2_platform import checkpoint, gc_pauses
 from gpt2_platform.engine.detokenize import ByteTable
 from gpt2_platform.engine.requests import EngineDeadError, Event, GenerationParams
 from gpt2_platform.engine.sampling import SamplingParams
-from gpt2_platform.gc_pauses import GcPauses
-from gpt2_platform.gc_pauses import settle as settle_gc
 from gpt2_platform.moderation import CONTENT_FILTER, CompletionGuard, Moderator, Verdict, build_moderator
 from gpt2_platform.serve import errors, schemas
 from gpt2_platform.serve.autoscaling import BODIES_IN_FLIGHT
@@ -148,10 +146,10 @@ class GPT2Server:
         self.metrics = ServeMetrics(self.model_name)
         self._bodies_in_flight = 0  # requests whose bodies are still arriving (autoscaling leaves them out)
         self.created = schemas.now_s()
-        # Each request's objects outlive young collections, so full ones come often: keep what this replica
-        # holds for good out of their walk (gc_pauses.py), and count what pauses are left.
-        settle_gc()
-        self.gc_pauses = GcPauses()
+        # What this replica holds by now lives as long as it does: keep it out of every full collection's
+        # walk (gc_pauses.py), and count the collections that come after.
+        gc_pauses.settle()
+        self.gc_pauses = gc_pauses.GcPauses()
         logger.info("serving %s from %s (engine %s)", self.model_name, args.model, args.engine)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
