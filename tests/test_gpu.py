@@ -281,3 +281,33 @@ def test_programmatic_dependent_launch_gives_the_same_logits_as_plain_launches_i
             ]
         tokens[pdl] = steps
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("multiple", [1, 128])
+def test_the_fused_loss_gives_the_plain_losses_and_gradients_on_gpu(multiple):
+    """liger's fused head + cross-entropy (padding masked by a -inf bias) against the model's own logits,
+    in fp32 where the two must agree to rounding, and in bf16 for the loss."""
+    pytest.importorskip("liger_kernel")
+    from gpt2_platform.train.loss import LMLoss
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = GPT2(preset("gpt2", n_layer=2)).to(device)
+    tokens = torch.randint(0, 50257, (4, 257), device=device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    targets[0, :5] = -100
+
+    def run(loss_fn, dtype):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16):
+            _, loss = model(inputs, targets) if loss_fn is None else model(inputs, targets, loss_fn=loss_fn)
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    fused = LMLoss("fused", multiple)
+    plain_loss, plain_grads = run(None, torch.float32)
+    fused_loss, fused_grads = run(fused, torch.float32)
+    assert fused_loss == pytest.approx(plain_loss, abs=1e-4)
+    for name, grad in fused_grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], atol=1e-5, rtol=1e-3, msg=name)
+    assert run(fused, torch.bfloat16)[0] == pytest.approx(run(None, torch.bfloat16)[0], abs=5e-3)

@@ -21,6 +21,7 @@ Precision = Literal["auto", "bf16", "fp16", "fp32"]
 CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 DataFormat = Literal["auto", "text", "jsonl", "parquet"]
 Strategy = Literal["ddp", "fsdp"]
+LossImpl = Literal["logits", "fused"]
 
 
 class ConfigError(ValueError):
@@ -122,6 +123,13 @@ class TrainConfig:
     """torch.compile mode, or off."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in backward to save memory."""
+    loss: LossImpl = "logits"
+    """How the loss is computed from the last hidden states (train/loss.py): logits (the head's matmul, then
+    cross-entropy on fp32 logits) or fused (liger-kernel's fused head + cross-entropy, CUDA only: the fp32
+    logits never exist, which saves memory and costs speed; see docs/benchmarks.md)."""
+    vocab_multiple: int = 128
+    """The head's matmul runs over the vocabulary padded to a multiple of this (1: unpadded). Exact: the
+    padding's logits are dropped before the softmax, and checkpoints keep the model's vocabulary."""
     log_every: int = 10
     """Report metrics every this many optimizer steps."""
     eval_every: int = 50
@@ -146,7 +154,16 @@ class TrainConfig:
     """Peak dense bf16 TFLOP/s of one GPU for MFU; None looks the card up."""
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every", "eval_batches"):
+        if self.loss not in ("logits", "fused"):
+            raise ConfigError(f"train.loss must be logits or fused, got {self.loss!r}")
+        for name in (
+            "max_steps",
+            "micro_batch_size",
+            "grad_accum_steps",
+            "log_every",
+            "eval_batches",
+            "vocab_multiple",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "checkpoint_every", "max_failures"):
@@ -228,6 +245,10 @@ class Config:
             raise ConfigError(
                 "train.precision=fp16 is not implemented with scaling.strategy=fsdp (its loss scaling would need "
                 "sharded gradients); use bf16 (or fp32), or strategy=ddp"
+            )
+        if train.loss == "fused" and not self.scaling.use_gpu:
+            raise ConfigError(
+                "train.loss=fused runs on CUDA GPUs only (Triton kernels); set scaling.use_gpu=true or use logits"
             )
         if train.global_batch_size is not None:
             per_step = train.micro_batch_size * workers

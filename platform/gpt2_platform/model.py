@@ -9,6 +9,7 @@ applied from outside (see train/parallelize.py). Linear layers are
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -224,14 +225,21 @@ class GPT2(nn.Module):
         positions: torch.Tensor | None = None,
         cache: AttentionCache | None = None,
         logits_at: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits `(B, T, vocab)` and, given next-token targets `(B, T)`, the mean cross-entropy.
+
+        For training: `loss_fn(hidden, head_weight, targets)` computes the loss from the final hidden
+        states in place of the head and cross-entropy (see train/loss.py); the logits are then None.
 
         For inference: `positions` `(B, T)` places the tokens (default 0..T-1), `cache`
         keeps keys and values between calls, and `logits_at` `(B,)` picks the one
         position per row whose logits are wanted (then `(B, vocab)`).
         """
-        logits = self.lm_head(self.hidden(input_ids, positions=positions, cache=cache, hidden_at=logits_at))
+        hidden = self.hidden(input_ids, positions=positions, cache=cache, hidden_at=logits_at)
+        if loss_fn is not None and targets is not None:
+            return None, loss_fn(hidden, self.lm_head.weight, targets)
+        logits = self.lm_head(hidden)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)

@@ -31,6 +31,7 @@ from gpt2_platform.config import Config, dump, from_dict
 from gpt2_platform.loading import build_model
 from gpt2_platform.model import GPT2, flops_per_token
 from gpt2_platform.train import traces
+from gpt2_platform.train.loss import LMLoss
 from gpt2_platform.train.metrics import TrainMetrics
 from gpt2_platform.train.parallelize import is_sharded, parallelize
 from gpt2_platform.train.resume import (
@@ -313,9 +314,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         precision.autocast_dtype,
         scaling.cpu_offload,
     )
-    step_fn = TrainStep(
-        train_model, build_optimizer(model, config.optim, device), precision, device, config.optim.grad_clip
-    )
+    optimizer = build_optimizer(model, config.optim, device)
+    loss_fn = LMLoss(tc.loss, tc.vocab_multiple)
+    step_fn = TrainStep(train_model, optimizer, precision, device, config.optim.grad_clip, loss_fn=loss_fn)
     start_step, tokens_seen, schedule_steps = 0, 0, tc.max_steps
     if resume is not None:
         load_optimizer_state(model, step_fn.optimizer, resume.loaded.optimizer)

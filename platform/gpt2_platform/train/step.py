@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from gpt2_platform.config import OptimConfig
+from gpt2_platform.train.loss import LossFn
 from gpt2_platform.train.parallelize import no_sync
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,11 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) 
 
 
 class TrainStep:
-    """Accumulates micro-batches into one optimizer step; DDP syncs only on the last one."""
+    """Accumulates micro-batches into one optimizer step; DDP syncs only on the last one.
+
+    `loss_fn` (train/loss.py) is passed to the model to compute the loss from its hidden states; None
+    keeps the model's own logits and cross-entropy (what models from elsewhere, such as transformers', do).
+    """
 
     def __init__(
         self,
@@ -81,8 +86,10 @@ class TrainStep:
         precision: Precision,
         device: torch.device,
         grad_clip: float,
+        loss_fn: LossFn | None = None,
     ) -> None:
         self.model = model
+        self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.precision = precision
         self.device = device
@@ -104,7 +111,11 @@ class TrainStep:
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             with no_sync(self.model, sync=i == num_micro - 1), self.autocast():
-                _, loss = self.model(inputs, targets)
+                _, loss = (
+                    self.model(inputs, targets)
+                    if self.loss_fn is None
+                    else self.model(inputs, targets, loss_fn=self.loss_fn)
+                )
                 # Mean over the accumulated batch, as if it were one batch num_micro times as large.
                 loss = loss / num_micro
             self.scaler.scale(loss).backward()

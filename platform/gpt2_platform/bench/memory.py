@@ -1,0 +1,172 @@
+"""What fits on a smaller card: peak memory and tokens/s of one training worker per memory-saving setup.
+
+Each (model, setup, memory cap) runs in a child process of its own: `set_per_process_memory_fraction`
+holds the process to the cap as a smaller card would, and an out-of-memory error ends only that child.
+The child trains as the Ray Train workers do (`parallelize`, `TrainStep`, the padded-vocabulary loss),
+as a one-process group so that FSDP is the real FSDP2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SETUPS = {
+    "ddp": {},
+    "ddp + checkpointing": {"checkpointing": True},
+    "fsdp": {"fsdp": True},
+    "fsdp + checkpointing": {"fsdp": True, "checkpointing": True},
+    "fsdp + offload": {"fsdp": True, "offload": True},
+    "fsdp + offload + checkpointing": {"fsdp": True, "offload": True, "checkpointing": True},
+}
+
+
+@dataclass
+class Run:
+    preset: str
+    setup: str
+    cap_gib: float | None
+    fits: bool
+    peak_allocated_gib: float | None = None
+    peak_reserved_gib: float | None = None
+    tokens_per_s: float | None = None
+    step_s: float | None = None
+    error: str | None = None
+
+
+def run_one(preset_name: str, setup: str, cap_gib: float | None, batch_size: int, seq_len: int, steps: int) -> Run:
+    """In this process: train `steps` steps (after one untimed) under the cap; the peaks and the speed."""
+    import torch
+    import torch.distributed as dist
+
+    from gpt2_platform.config import OptimConfig
+    from gpt2_platform.model import GPT2, preset
+    from gpt2_platform.train.loss import LMLoss
+    from gpt2_platform.train.parallelize import parallelize
+    from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision
+
+    options = SETUPS[setup]
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    if cap_gib is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), device)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    try:
+        torch.manual_seed(0)
+        model = GPT2(preset(preset_name)).to(device)
+        precision = resolve_precision("bf16", device)
+        strategy = "fsdp" if options.get("fsdp") else "ddp"
+        train_model = parallelize(
+            model,
+            device,
+            "off",
+            options.get("checkpointing", False),
+            strategy,
+            precision.autocast_dtype,
+            options.get("offload", False),
+        )
+        optimizer = build_optimizer(model, OptimConfig(), device)
+        step = TrainStep(train_model, optimizer, precision, device, 1.0, loss_fn=LMLoss("logits", 128))
+        tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq_len + 1), device=device)
+        batch = [(tokens[:, :-1], tokens[:, 1:])]
+        step(batch, lr=1e-4)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss, _ = step(batch, lr=1e-4)
+        loss.item()
+        elapsed = time.perf_counter() - start
+        return Run(
+            preset_name,
+            setup,
+            cap_gib,
+            fits=True,
+            peak_allocated_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+            peak_reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
+            tokens_per_s=batch_size * seq_len * steps / elapsed,
+            step_s=elapsed / steps,
+        )
+    except torch.cuda.OutOfMemoryError as error:
+        return Run(preset_name, setup, cap_gib, fits=False, error=str(error).splitlines()[0][:160])
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_in_child(script: Path, preset_name: str, setup: str, cap_gib: float | None, args: list[str]) -> Run:
+    """`script --one ...` in a fresh process: the cap and any out-of-memory stay there."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    command = [sys.executable, str(script), "--one", preset_name, setup, *args]
+    if cap_gib is not None:
+        command += ["--cap-gib", str(cap_gib)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return Run(**json.loads(line))
+    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    return Run(preset_name, setup, cap_gib, fits=False, error=f"child exited {done.returncode}: {' | '.join(tail)}")
+
+
+def smallest_cap(script: Path, preset_name: str, setup: str, caps: list[float], args: list[str], log) -> list[Run]:
+    """Try the caps from the smallest up; the first that trains is the smallest card that fits."""
+    runs = []
+    for cap in sorted(caps):
+        run = run_in_child(script, preset_name, setup, cap, args)
+        log(run)
+        runs.append(run)
+        if run.fits:
+            break
+    return runs
+
+
+def as_markdown(runs: list[Run], caps: list[float]) -> str:
+    """One row per (model, setup): the smallest cap it trained under, its peaks and speed there."""
+    lines = [
+        "| model | setup | "
+        + " | ".join(f"fits {c:g} GB" for c in sorted(caps, reverse=True))
+        + " | peak allocated GiB | "
+        "peak reserved GiB | tokens/s | step s |",
+        "|---|---|" + "---|" * (len(caps) + 4),
+    ]
+    keys = list(dict.fromkeys((r.preset, r.setup) for r in runs))
+    for preset_name, setup in keys:
+        mine = [r for r in runs if (r.preset, r.setup) == (preset_name, setup)]
+        fitted = [r for r in mine if r.fits]
+        smallest = min((r.cap_gib for r in fitted), default=None)
+        cells = []
+        for cap in sorted(caps, reverse=True):
+            tried = [r for r in mine if r.cap_gib == cap]
+            if smallest is not None and cap >= smallest:
+                cells.append("yes")
+            elif tried:
+                cells.append("no (OOM)" if not tried[0].fits else "yes")
+            else:
+                cells.append("?")
+        best = min(fitted, key=lambda r: r.cap_gib) if fitted else None
+        figures = (
+            f"{best.peak_allocated_gib:.1f} | {best.peak_reserved_gib:.1f} | {best.tokens_per_s:,.0f} | {best.step_s:.2f}"
+            if best
+            else "- | - | - | -"
+        )
+        lines.append(f"| {preset_name} | {setup} | " + " | ".join(cells) + f" | {figures} |")
+    return "\n".join(lines)
+
+
+def to_json(runs: list[Run]) -> list[dict]:
+    return [asdict(r) for r in runs]
+
+
+def write(path: Path, runs: list[Run]) -> None:
+    path.write_text(json.dumps(to_json(runs), indent=2))
