@@ -311,3 +311,20 @@ def test_the_fused_loss_gives_the_plain_losses_and_gradients_on_gpu(multiple):
     for name, grad in fused_grads.items():
         torch.testing.assert_close(grad, plain_grads[name], atol=1e-5, rtol=1e-3, msg=name)
     assert run(fused, torch.bfloat16)[0] == pytest.approx(run(None, torch.bfloat16)[0], abs=5e-3)
+
+
+def test_the_triton_cross_entropy_matches_torchs_on_gpt2s_padded_vocabulary_on_gpu():
+    from gpt2_platform.train.cross_entropy import cross_entropy
+
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(512, 50304, device="cuda")).bfloat16().requires_grad_()
+    targets = torch.randint(0, 50257, (512,), device="cuda")
+    targets[:9] = -100
+    loss = cross_entropy(logits, targets, 50257)
+    loss.backward()
+    reference_logits = logits.detach().float()[:, :50257].requires_grad_()
+    reference = torch.nn.functional.cross_entropy(reference_logits, targets)
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
+    torch.testing.assert_close(logits.grad[:, :50257].float(), reference_logits.grad, atol=1e-6, rtol=1e-2)
+    assert logits.grad[:, 50257:].abs().max().item() == 0.0

@@ -61,3 +61,28 @@ def test_the_training_config_takes_the_loss_options_and_refuses_fused_without_gp
         from_dict({"train": {"loss": "chunked"}})
     with pytest.raises(ConfigError, match="vocab_multiple must be >= 1"):
         from_dict({"train": {"vocab_multiple": 0}})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_cross_entropy_matches_torchs_over_the_unpadded_columns(dtype):
+    """train/cross_entropy.py in Triton's interpreter (conftest sets it without a GPU): the loss and the
+    logits' gradient of F.cross_entropy on the first `vocab` columns; the padding's gradient is zero."""
+    from gpt2_platform.train import cross_entropy
+
+    if not cross_entropy.available():
+        pytest.skip("triton is not installed")
+    torch.manual_seed(0)
+    vocab, width = 300, 384
+    logits = (3 * torch.randn(24, width)).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (24,))
+    targets[[2, 7]] = -100
+    loss = cross_entropy.cross_entropy(logits, targets, vocab)
+    (2.0 * loss).backward()
+    reference_logits = logits.detach().float()[:, :vocab].requires_grad_()
+    reference = torch.nn.functional.cross_entropy(reference_logits, targets, ignore_index=-100)
+    (2.0 * reference).backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
+    tolerance = 1e-6 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(logits.grad[:, :vocab].float(), reference_logits.grad, atol=tolerance, rtol=1e-2)
+    assert logits.grad[:, vocab:].abs().max().item() == 0.0
+    assert logits.grad[[2, 7]].abs().max().item() == 0.0

@@ -46,6 +46,8 @@ class Variant:
     """The only SDPA backend allowed (flash, cudnn, efficient); None lets torch choose."""
     batch_size: int | None = None
     """Overrides the benchmark's batch size (a variant that fills the card)."""
+    triton_ce: bool = False
+    """ours, loss=logits: train/cross_entropy.py's kernels for the cross-entropy."""
     float8: bool = False
     """The blocks' linear layers run float8 matmuls (torchao's float8 training, tensorwise scales): measured
     as an option, not a training setting."""
@@ -69,6 +71,16 @@ DEFAULT_VARIANTS = [
     Variant("ours bf16 + compile + padded vocab + cudnn", "ours", "bf16", "default", **_PADDED, attention="cudnn"),
     Variant("ours bf16 + compile + fused loss + cudnn", "ours", "bf16", "default", **_FUSED, attention="cudnn"),
     Variant("ours bf16 + compile + padded vocab, batch 32", "ours", "bf16", "default", **_PADDED, batch_size=32),
+    Variant("ours bf16 + compile + padded vocab + triton CE", "ours", "bf16", "default", **_PADDED, triton_ce=True),
+    Variant(
+        "ours bf16 + compile + padded vocab + triton CE, batch 32",
+        "ours",
+        "bf16",
+        "default",
+        **_PADDED,
+        triton_ce=True,
+        batch_size=32,
+    ),
     Variant("ours bf16 + compile + padded vocab + float8", "ours", "bf16", "default", **_PADDED, float8=True),
     Variant(
         "ours bf16 + compile + fused loss + cudnn, batch 32",
@@ -141,7 +153,7 @@ def build_step(
         else:
             train_model = torch.compile(model) if variant.compile_mode != "off" else model
         optimizer = build_optimizer(model, OptimConfig(), device)
-        loss_fn = LMLoss(variant.loss, variant.vocab_multiple) if variant.loss else None
+        loss_fn = LMLoss(variant.loss, variant.vocab_multiple, variant.triton_ce) if variant.loss else None
         precision = resolve_precision(variant.precision, device)
         step = TrainStep(train_model, optimizer, precision, device, grad_clip=1.0, loss_fn=loss_fn)
     vocab = preset(preset_name).vocab_size

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from gpt2_platform.config import LossImpl
+from gpt2_platform.train import cross_entropy as cross_entropy_kernels
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,13 +49,15 @@ class LMLoss:
     """`loss_fn(hidden (B, T, C), head_weight (V, C), targets (B, T)) -> mean cross-entropy`, targets of
     -100 ignored, as `GPT2.forward` computes it from its logits."""
 
-    def __init__(self, impl: LossImpl = "logits", vocab_multiple: int = 1) -> None:
+    def __init__(self, impl: LossImpl = "logits", vocab_multiple: int = 1, triton_ce: bool = False) -> None:
         if impl not in ("logits", "fused"):
             raise ValueError(f"train.loss must be 'logits' or 'fused', got {impl!r}")
         if vocab_multiple < 1:
             raise ValueError(f"train.vocab_multiple must be at least 1, got {vocab_multiple}")
         self.impl = impl
         self.vocab_multiple = vocab_multiple
+        # logits on CUDA: the cross-entropy of train/cross_entropy.py instead of the compiled torch one
+        self.triton_ce = triton_ce and cross_entropy_kernels.available()
         self._fused: Callable | None = None
         if impl == "fused":
             self._fused = fused_linear_cross_entropy()
@@ -65,6 +68,8 @@ class LMLoss:
         if self._fused is not None:
             return self._fused(hidden, weight, targets, vocab, rows)
         logits = F.linear(hidden, _pad_rows(weight, rows))
+        if self.triton_ce and logits.is_cuda:
+            return cross_entropy_kernels.cross_entropy(logits.reshape(-1, rows), targets.reshape(-1), vocab)
         if rows > vocab:
             logits = logits[..., :vocab]
         return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX)
