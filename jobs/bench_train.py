@@ -26,6 +26,7 @@ from gpt2_platform.bench.train_step import (  # noqa: E402
     curves_as_markdown,
     loss_curve,
     measure,
+    plot_curves,
     release,
     text_batches,
     to_json,
@@ -55,6 +56,7 @@ def main() -> int:
         "--curve-steps", type=int, default=0, help="then train each variant this many steps on real text"
     )
     parser.add_argument("--curve-text", type=Path, help="the text file for --curve-steps (bytes as tokens)")
+    parser.add_argument("--plot", type=Path, help="with --curve-steps: the curves as a PNG (needs matplotlib)")
     parser.add_argument("--profile-dir", type=Path, help="a profiler trace of 3 steps per variant goes here")
     args = parser.parse_args()
     configure_logging()
@@ -96,6 +98,9 @@ def main() -> int:
             curves[variant.name] = loss_curve(variant, args.preset, batches, device, OptimConfig())
         print(f"\nloss on {args.curve_text.name}, batch {args.batch_size} x {args.seq_len}, seed 0:")
         print(curves_as_markdown(curves))
+        title = f"{args.preset}, {args.curve_text.name}, batch {args.batch_size} x {args.seq_len}"
+        if args.plot and plot_curves(curves, args.plot, title):
+            logger.info("loss curves plotted in %s", args.plot)
     if args.json_out:
         report = {"device": device_name, "torch": torch.__version__, "preset": args.preset, "results": to_json(results)}
         args.json_out.write_text(json.dumps({**report, "curves": curves}, indent=2))

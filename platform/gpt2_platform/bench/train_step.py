@@ -355,3 +355,33 @@ def curves_as_markdown(curves: dict[str, list[float]], window: int = 10) -> str:
         values = " | ".join(f"{smoothed(curves[name], p):.3f}" for p in points)
         lines.append(f"| {name} | {values} | {gap:.3f} |")
     return "\n".join(lines) + f"\n\n(each figure is the mean loss of the {window} steps up to it)"
+
+
+def plot_curves(curves: dict[str, list[float]], path: Path, title: str, window: int = 10) -> Path | None:
+    """The loss curves (moving mean over `window` steps) in one chart; None without matplotlib (not a
+    dependency of the project)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(8, 4.2))
+    for name, curve in curves.items():
+        smoothed = [
+            sum(curve[max(0, i - window + 1) : i + 1]) / len(curve[max(0, i - window + 1) : i + 1])
+            for i in range(len(curve))
+        ]
+        axes.plot(range(1, len(curve) + 1), smoothed, label=name, linewidth=1.2)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel(f"training loss (mean of {window} steps)")
+    axes.set_ylim(top=min(6.0, axes.get_ylim()[1]))
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+    axes.set_title(title, fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return path
