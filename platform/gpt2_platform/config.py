@@ -125,7 +125,7 @@ class TrainConfig:
     """Recompute each block's activations in backward to save memory."""
     loss: LossImpl = "logits"
     """How the loss is computed from the last hidden states (train/loss.py): logits (the head's matmul, then
-    cross-entropy on fp32 logits) or fused (liger-kernel's fused head + cross-entropy, CUDA only: the fp32
+    the cross-entropy, in Triton on GPUs) or fused (liger-kernel's fused head + cross-entropy, CUDA only: the fp32
     logits never exist, which saves memory and costs speed; see docs/benchmarks.md)."""
     vocab_multiple: int = 128
     """The head's matmul runs over the vocabulary padded to a multiple of this (1: unpadded). Exact: the

@@ -153,7 +153,7 @@ def build_step(
         else:
             train_model = torch.compile(model) if variant.compile_mode != "off" else model
         optimizer = build_optimizer(model, OptimConfig(), device)
-        loss_fn = LMLoss(variant.loss, variant.vocab_multiple, variant.triton_ce) if variant.loss else None
+        loss_fn = LMLoss(variant.loss, variant.vocab_multiple, triton_ce=variant.triton_ce) if variant.loss else None
         precision = resolve_precision(variant.precision, device)
         step = TrainStep(train_model, optimizer, precision, device, grad_clip=1.0, loss_fn=loss_fn)
     vocab = preset(preset_name).vocab_size

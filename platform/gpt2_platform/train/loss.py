@@ -7,6 +7,8 @@ the largest activation. Two levers, both exact (the loss is the loss of the unpa
   this (GPT-2's 50,257 is odd; 50,304 gives the GEMM aligned tiles). The padding's logits are dropped
   before the softmax, so they take no probability; checkpoints keep the true vocabulary because the
   padding lives only inside this function.
+- the cross-entropy of the `logits` path runs as two Triton kernels on CUDA (train/cross_entropy.py), which
+  read the bf16 logits once each way instead of the compiled torch loss's fp32 copies.
 - `fused`: liger-kernel's fused linear + cross-entropy (Triton, CUDA only). It computes the logits a
   chunk of tokens at a time and turns each chunk straight into its gradients, so the full fp32 logits
   (4 bytes x vocabulary per token) never exist. The padding is masked there with a -inf bias.
@@ -49,7 +51,7 @@ class LMLoss:
     """`loss_fn(hidden (B, T, C), head_weight (V, C), targets (B, T)) -> mean cross-entropy`, targets of
     -100 ignored, as `GPT2.forward` computes it from its logits."""
 
-    def __init__(self, impl: LossImpl = "logits", vocab_multiple: int = 1, triton_ce: bool = False) -> None:
+    def __init__(self, impl: LossImpl = "logits", vocab_multiple: int = 1, triton_ce: bool = True) -> None:
         if impl not in ("logits", "fused"):
             raise ValueError(f"train.loss must be 'logits' or 'fused', got {impl!r}")
         if vocab_multiple < 1:
@@ -57,6 +59,7 @@ class LMLoss:
         self.impl = impl
         self.vocab_multiple = vocab_multiple
         # logits on CUDA: the cross-entropy of train/cross_entropy.py instead of the compiled torch one
+        # (faster, and exact to fp32 rounding: jobs/bench_train.py's "triton CE" variants)
         self.triton_ce = triton_ce and cross_entropy_kernels.available()
         self._fused: Callable | None = None
         if impl == "fused":
