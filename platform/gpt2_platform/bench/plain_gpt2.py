@@ -51,11 +51,12 @@ class PlainGPT2(nn.Module):
         self.head = nn.Linear(d, self.vocab, bias=False)
         self.head.weight = self.wte.weight
         for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * L) if name.endswith(("proj.weight",)) else 0.02
-                nn.init.normal_(p, std=std)
-            else:
-                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+            if p.dim() >= 2:  # the residual projections scaled by 1/sqrt(2 L), as GPT-2 does
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * L) if name.endswith("proj.weight") else 0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:  # layer norm scales
+                nn.init.ones_(p)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))

@@ -10,8 +10,6 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,8 +40,6 @@ class Variant:
     loss: str | None = None
     """ours: train/loss.py's implementation (logits or fused); None = the model's own logits and loss."""
     vocab_multiple: int = 1
-    attention: str | None = None
-    """The only SDPA backend allowed (flash, cudnn, efficient); None lets torch choose."""
     batch_size: int | None = None
     """Overrides the benchmark's batch size (a variant that fills the card)."""
     triton_ce: bool = False
@@ -68,8 +64,6 @@ DEFAULT_VARIANTS = [
     Variant("plain GPT-2, nanoGPT-style (anchor)", "plain", "bf16", "default"),
     Variant("ours bf16 + compile + padded vocab", "ours", "bf16", "default", **_PADDED),
     Variant("ours bf16 + compile + fused loss", "ours", "bf16", "default", **_FUSED),
-    Variant("ours bf16 + compile + padded vocab + cudnn", "ours", "bf16", "default", **_PADDED, attention="cudnn"),
-    Variant("ours bf16 + compile + fused loss + cudnn", "ours", "bf16", "default", **_FUSED, attention="cudnn"),
     Variant("ours bf16 + compile + padded vocab, batch 32", "ours", "bf16", "default", **_PADDED, batch_size=32),
     Variant("ours bf16 + compile + padded vocab + triton CE", "ours", "bf16", "default", **_PADDED, triton_ce=True),
     Variant(
@@ -83,12 +77,11 @@ DEFAULT_VARIANTS = [
     ),
     Variant("ours bf16 + compile + padded vocab + float8", "ours", "bf16", "default", **_PADDED, float8=True),
     Variant(
-        "ours bf16 + compile + fused loss + cudnn, batch 32",
+        "ours bf16 + compile + fused loss, batch 32",
         "ours",
         "bf16",
         "default",
         **_FUSED,
-        attention="cudnn",
         batch_size=32,
     ),
 ]
@@ -198,37 +191,6 @@ def measure(
     batch_size; tokens/s counts all of them. `profile_dir`: a profiler trace of three more steps goes there.
     """
     batch_size = variant.batch_size or batch_size
-    with attention_backend(variant.attention):
-        return _measure(
-            variant, preset_name, batch_size, seq_len, num_steps, warmup_steps, device, num_micro_batches, profile_dir
-        )
-
-
-@contextmanager
-def attention_backend(name: str | None) -> Iterator[None]:
-    """Only the named SDPA backend while a variant builds, compiles and runs (compile bakes the choice in)."""
-    if name is None:
-        yield
-        return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-    backends["efficient"] = SDPBackend.EFFICIENT_ATTENTION
-    with sdpa_kernel([backends[name]]):
-        yield
-
-
-def _measure(
-    variant: Variant,
-    preset_name: str,
-    batch_size: int,
-    seq_len: int,
-    num_steps: int,
-    warmup_steps: int,
-    device: torch.device,
-    num_micro_batches: int,
-    profile_dir: Path | None,
-) -> Measurement:
     resident_before = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
     step, batch = build_step(variant, preset_name, batch_size, seq_len, device, num_micro_batches)
     if device.type == "cuda":
@@ -323,14 +285,13 @@ def loss_curve(
     variant: Variant, preset_name: str, batches: list[torch.Tensor], device: torch.device, optim: OptimConfig
 ) -> list[float]:
     """The training loss of each step of `variant` from seed 0 over `batches`, under optim's schedule."""
-    with attention_backend(variant.attention):
-        batch_size, seq_len = batches[0].shape[0], batches[0].shape[1] - 1
-        step, _ = build_step(variant, preset_name, batch_size, seq_len, device)
-        losses = []
-        for number, tokens in enumerate(batches, start=1):
-            loss, _ = step([(tokens[:, :-1], tokens[:, 1:])], lr=lr_at(number, optim, len(batches)))
-            losses.append(loss.detach())
-        curve = torch.stack(losses).float().tolist()
+    batch_size, seq_len = batches[0].shape[0], batches[0].shape[1] - 1
+    step, _ = build_step(variant, preset_name, batch_size, seq_len, device)
+    losses = []
+    for number, tokens in enumerate(batches, start=1):
+        loss, _ = step([(tokens[:, :-1], tokens[:, 1:])], lr=lr_at(number, optim, len(batches)))
+        losses.append(loss.detach())
+    curve = torch.stack(losses).float().tolist()
     del step
     release(device)
     return curve
