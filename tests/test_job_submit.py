@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpt2_platform.checkpoint import WEIGHTS_NAME
-from gpt2_platform.train.loop import TRAIN_STATE
+from gpt2_platform.train.resume import TRAIN_STATE
 from gpt2_platform.train.trainer import FINAL_MODEL_DIR
 from ray_head import RayHead, start_head
 

@@ -15,8 +15,14 @@ import yaml
 from conftest import tiny_config
 from gpt2_platform.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from gpt2_platform.config import ConfigError
-from gpt2_platform.train.loop import HISTORY, OPTIMIZER_STATE, TRAIN_STATE
-from gpt2_platform.train.resume import CheckpointError, checkpoint_problem, choose_checkpoint
+from gpt2_platform.train.loop import HISTORY
+from gpt2_platform.train.resume import (
+    OPTIMIZER_STATE,
+    TRAIN_STATE,
+    CheckpointError,
+    checkpoint_problem,
+    choose_checkpoint,
+)
 from gpt2_platform.train.trainer import fit
 
 pytestmark = pytest.mark.slow
@@ -141,7 +147,7 @@ def test_a_checkpoint_that_fails_to_load_is_passed_over_too(trained: Path, tmp_p
 
     from gpt2_platform.config import ModelConfig
     from gpt2_platform.loading import build_model
-    from gpt2_platform.train.loop import read_checkpoint
+    from gpt2_platform.train.run_checkpoint import read_checkpoint
 
     run_dir = tmp_path / RUN_NAME
     for step in (6, 8):

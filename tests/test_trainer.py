@@ -14,7 +14,8 @@ import torch
 
 from conftest import prometheus_lines, tiny_config
 from gpt2_platform.monitoring import exporter
-from gpt2_platform.train.loop import HISTORY, OPTIMIZER_STATE, TRAIN_STATE
+from gpt2_platform.train.loop import HISTORY
+from gpt2_platform.train.resume import OPTIMIZER_STATE, TRAIN_STATE
 from gpt2_platform.train.trainer import fit
 
 pytestmark = pytest.mark.slow

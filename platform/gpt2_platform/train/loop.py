@@ -9,7 +9,6 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,29 +17,25 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 
-from gpt2_platform import checkpoint as ckpt
-from gpt2_platform.config import Config, dump, from_dict
+from gpt2_platform.config import Config, from_dict
 from gpt2_platform.loading import build_model
 from gpt2_platform.model import GPT2, flops_per_token
 from gpt2_platform.train import traces
 from gpt2_platform.train.loss import LMLoss
 from gpt2_platform.train.metrics import TrainMetrics
-from gpt2_platform.train.parallelize import is_sharded, parallelize
+from gpt2_platform.train.parallelize import parallelize
 from gpt2_platform.train.resume import (
-    OPTIMIZER_STATE,
-    SCALER_STATE,
-    TRAIN_STATE,
     Resume,
     checkpoint_dir_name,
     choose_checkpoint,
+)
+from gpt2_platform.train.run_checkpoint import (
+    OptimizerStates,
+    gather_full_states,
+    load_optimizer_state,
+    read_checkpoint,
+    save_checkpoint,
 )
 from gpt2_platform.train.scalars import ScalarLog
 from gpt2_platform.train.step import TrainStep, build_optimizer, lr_at, resolve_precision
@@ -109,75 +104,6 @@ def evaluate(
     model.train()
     total, count = _all_reduce([total, len(batches)], device)
     return total / count if count else None
-
-
-@dataclass
-class FullStates:
-    """A sharded (FSDP) model's weights and optimizer state, gathered whole: what rank 0 writes."""
-
-    model: dict[str, torch.Tensor]
-    optimizer: dict
-
-
-def gather_full_states(model: GPT2, optimizer: torch.optim.Optimizer) -> FullStates | None:
-    """On every rank (collectives): the full state dicts of a sharded model, on the CPU; None for a model
-    that is not sharded (every rank already holds it whole). The optimizer's is keyed by parameter name,
-    so it loads into any number of workers."""
-    if not is_sharded(model):
-        return None
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return FullStates(
-        get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
-    )
-
-
-def load_optimizer_state(model: GPT2, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """A checkpoint's optimizer state into this run's optimizer, whatever wrote it.
-
-    Keyed by parameter name (an FSDP run's): placed into any model, sharded or not. Keyed by position
-    (a DDP run's `optimizer.state_dict()`): loads into a model that is not sharded.
-    """
-    keyed_by_name = any(isinstance(key, str) for key in state.get("state", {}))
-    if keyed_by_name:
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-    elif is_sharded(model):
-        raise ValueError(
-            "this checkpoint's optimizer state was written by a DDP run (keyed by position); resume it with "
-            "scaling.strategy=ddp, or start a new run from its weights (model.init_from)"
-        )
-    else:
-        optimizer.load_state_dict(state)
-
-
-def save_checkpoint(
-    directory: Path, model: GPT2, step_fn: TrainStep, state: dict, config: Config, full: FullStates | None = None
-) -> None:
-    """Model (Hugging Face format), optimizer, scaler, step and config into one directory; a sharded
-    model's from `full` (gathered on every rank beforehand)."""
-    ckpt.write_weights(model, directory, state_dict=full.model if full is not None else None)
-    torch.save(full.optimizer if full is not None else step_fn.optimizer.state_dict(), directory / OPTIMIZER_STATE)
-    if step_fn.precision.use_grad_scaler:
-        torch.save(step_fn.scaler.state_dict(), directory / SCALER_STATE)
-    (directory / TRAIN_STATE).write_text(json.dumps(state))
-    (directory / "config.yaml").write_text(dump(config))
-
-
-@dataclass
-class OptimizerStates:
-    """A checkpoint's optimizer (and GradScaler) state, read before the optimizer exists."""
-
-    optimizer: dict
-    scaler: dict | None
-
-
-def read_checkpoint(directory: Path, model: GPT2, device: torch.device) -> OptimizerStates:
-    """Load the weights into `model` and read the optimizer state; raises if any file is broken."""
-    model.load_state_dict(ckpt.from_hf_state_dict(load_file(str(directory / ckpt.WEIGHTS_NAME))))
-    optimizer = torch.load(directory / OPTIMIZER_STATE, map_location=device, weights_only=True)
-    scaler = None
-    if (directory / SCALER_STATE).exists():
-        scaler = torch.load(directory / SCALER_STATE, weights_only=True)
-    return OptimizerStates(optimizer, scaler)
 
 
 def resume_checkpoint(
