@@ -297,23 +297,28 @@ def loss_curve(
     return curve
 
 
+def moving_mean(curve: list[float], at: int, window: int) -> float:
+    """The mean of the `window` values up to step `at` (counted from 1), fewer at the start."""
+    part = curve[max(0, at - window) : at]
+    return sum(part) / len(part)
+
+
 def curves_as_markdown(curves: dict[str, list[float]], window: int = 10) -> str:
     """Loss at a few steps (mean over the `window` steps up to it), and the largest gap to the first curve."""
     names = list(curves)
     length = len(curves[names[0]])
     points = sorted({min(length, p) for p in (window, 50, 100, 150, 200, length)})
 
-    def smoothed(curve: list[float], at: int) -> float:
-        part = curve[max(0, at - window) : at]
-        return sum(part) / len(part)
-
     lines = [
         "| variant | " + " | ".join(f"loss @ {p}" for p in points) + " | largest gap to the first |",
         "|---|" + "---|" * (len(points) + 1),
     ]
     for name in names:
-        gap = max(abs(smoothed(curves[name], p) - smoothed(curves[names[0]], p)) for p in range(window, length + 1))
-        values = " | ".join(f"{smoothed(curves[name], p):.3f}" for p in points)
+        gap = max(
+            abs(moving_mean(curves[name], p, window) - moving_mean(curves[names[0]], p, window))
+            for p in range(window, length + 1)
+        )
+        values = " | ".join(f"{moving_mean(curves[name], p, window):.3f}" for p in points)
         lines.append(f"| {name} | {values} | {gap:.3f} |")
     return "\n".join(lines) + f"\n\n(each figure is the mean loss of the {window} steps up to it)"
 
@@ -330,10 +335,7 @@ def plot_curves(curves: dict[str, list[float]], path: Path, title: str, window: 
 
     figure, axes = pyplot.subplots(figsize=(8, 4.2))
     for name, curve in curves.items():
-        smoothed = [
-            sum(curve[max(0, i - window + 1) : i + 1]) / len(curve[max(0, i - window + 1) : i + 1])
-            for i in range(len(curve))
-        ]
+        smoothed = [moving_mean(curve, at, window) for at in range(1, len(curve) + 1)]
         axes.plot(range(1, len(curve) + 1), smoothed, label=name, linewidth=1.2)
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(f"training loss (mean of {window} steps)")

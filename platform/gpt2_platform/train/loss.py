@@ -1,7 +1,7 @@
 """The training loss from the final hidden states: the LM head's matmul and the cross-entropy, done fast.
 
 The head is the largest matmul of a GPT-2 step (vocabulary x width, for every token), and its logits
-the largest activation. Two levers, both exact (the loss is the loss of the unpadded model):
+the largest activation. What is done about it, all exact (the loss is the loss of the unpadded model):
 
 - `vocab_multiple`: the head's matmul runs over the vocabulary padded with zero rows to a multiple of
   this (GPT-2's 50,257 is odd; 50,304 gives the GEMM aligned tiles). The padding's logits are dropped
@@ -26,10 +26,9 @@ import torch.nn.functional as F
 
 from gpt2_platform.config import LossImpl
 from gpt2_platform.train import cross_entropy as cross_entropy_kernels
+from gpt2_platform.train.cross_entropy import IGNORE_INDEX
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-IGNORE_INDEX = -100
 
 
 def padded_size(vocab_size: int, multiple: int) -> int:
@@ -56,7 +55,6 @@ class LMLoss:
             raise ValueError(f"train.loss must be 'logits' or 'fused', got {impl!r}")
         if vocab_multiple < 1:
             raise ValueError(f"train.vocab_multiple must be at least 1, got {vocab_multiple}")
-        self.impl = impl
         self.vocab_multiple = vocab_multiple
         # logits on CUDA: the cross-entropy of train/cross_entropy.py instead of the compiled torch one
         # (faster, and exact to fp32 rounding: jobs/bench_train.py's "triton CE" variants)
