@@ -1,9 +1,14 @@
 """Benchmark batch generation: our Ray Data job against a naive map_batches over transformers' generate.
 
-    python jobs/bench_batch.py --num-prompts 10000 --new-tokens 128     # on a GPU machine
+    python jobs/bench_batch.py --num-prompts 10000 --new-tokens 128                    # on a GPU machine
+    python jobs/bench_batch.py --num-prompts 100000 --engine-batch 512 1024 --skip-naive --variable
 
-Writes the prompts (32-128 tokens), a gpt2-preset model, runs both jobs in this
-process (ours first), and prints generated tokens/s for each.
+Writes the prompts (32-128 tokens), a gpt2-preset model, runs the jobs in this process (ours first, at each
+--engine-batch; then the naive one), and prints each job's wall time, the time to its first finished block
+of rows, and generated tokens/s over the whole wall time (start-up included). `--repeat 2` runs our first
+job again: the first run pays the cold caches (Triton's, inductor's), the second finds them. `--variable`
+adds a run where each row has its own max_tokens (uniform in --variable-range), so rows finish at
+different steps and continuous batching refills their slots one by one.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ def main() -> int:
     parser.add_argument("--min-prompt-tokens", type=int, default=32)
     parser.add_argument("--max-prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--engine-batch", type=int, default=256)
+    parser.add_argument("--engine-batch", type=int, nargs="+", default=[256], help="one run of ours per size")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of ours at the first engine batch")
+    parser.add_argument("--variable", action="store_true", help="add a run with per-row max_tokens")
+    parser.add_argument("--variable-range", type=int, nargs=2, default=[1, 512], metavar=("LOW", "HIGH"))
     parser.add_argument("--naive-batch", type=int, default=64)
     parser.add_argument("--compile", action="store_true", help="torch.compile our engine's decode step")
     parser.add_argument("--skip-naive", action="store_true")
@@ -42,20 +50,57 @@ def main() -> int:
     )
     model_dir = batch.write_model(work / "model", args.preset)
     max_seq_len = args.max_prompt_tokens + args.new_tokens
-    rows = [
-        batch.our_job(prompts, model_dir, work / "ours", args.new_tokens, args.engine_batch, max_seq_len, args.compile)
-    ]
-    print(f"ours: {rows[0]}", flush=True)
+    runs = [(args.engine_batch[0], f" run {i + 1}" if args.repeat > 1 else "") for i in range(args.repeat)]
+    runs += [(size, "") for size in args.engine_batch[1:]]
+    rows = []
+    for i, (size, label) in enumerate(runs):
+        rows.append(
+            batch.our_job(
+                prompts, model_dir, work / f"ours-{i}", args.new_tokens, size, max_seq_len, args.compile, label=label
+            )
+        )
+        print(f"ours: {rows[-1]}", flush=True)
+    if args.variable:
+        low, high = args.variable_range
+        varied = batch.write_prompts(
+            work / "prompts-variable.parquet",
+            args.num_prompts,
+            args.min_prompt_tokens,
+            args.max_prompt_tokens,
+            new_tokens_range=(low, high),
+        )
+        size = args.engine_batch[-1]
+        rows.append(
+            batch.our_job(
+                varied,
+                model_dir,
+                work / "ours-variable",
+                high,
+                size,
+                args.max_prompt_tokens + high,
+                args.compile,
+                per_row_max_tokens=True,
+                label=f", max_tokens {low}-{high} per row",
+            )
+        )
+        print(f"ours: {rows[-1]}", flush=True)
     if not args.skip_naive:
         rows.append(batch.naive_job(prompts, model_dir, work / "naive", args.new_tokens, args.naive_batch))
     print(
-        f"{args.num_prompts} prompts of {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens, {args.new_tokens} new tokens, {args.preset}"
+        f"{args.num_prompts} prompts of {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens, "
+        f"{args.new_tokens} new tokens, {args.preset}"
     )
-    print("| job | rows | wall s | generated tokens/s |\n|---|---|---|---|")
+    print("| job | rows | generated tokens | wall s | first rows s | generated tokens/s |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['job']} | {r['rows']} | {r['wall_s']:.1f} | {r['generated_tokens_per_s']:,.0f} |")
-    if len(rows) == 2:
-        print(f"speedup: {rows[0]['generated_tokens_per_s'] / rows[1]['generated_tokens_per_s']:.1f}x")
+        first = "-" if r["first_row_s"] is None else f"{r['first_row_s']:.1f}"
+        print(
+            f"| {r['job']} | {r['rows']} | {r['completion_tokens']:,} | {r['wall_s']:.1f} | {first} | "
+            f"{r['generated_tokens_per_s']:,.0f} |"
+        )
+    if not args.skip_naive:
+        print(
+            f"speedup of ours (first run) over naive: {rows[0]['generated_tokens_per_s'] / rows[-1]['generated_tokens_per_s']:.1f}x"
+        )
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=2))
     return 0

@@ -5,7 +5,7 @@
 
 Prints tokens/s for both at each batch size (same process, same prompts,
 greedy, 128 prompt + 128 new tokens by default; each side's best of --runs timed runs) and the
-engine's decode step time.
+engine's decode step time, with the bytes a step must read, the GB/s that makes and the peak memory.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def main() -> int:
     parser.add_argument(
         "--decode-kernels", default="auto", choices=["auto", "triton", "torch"], help="see EngineConfig.decode_kernels"
     )
+    parser.add_argument("--engine-only", action="store_true", help="skip transformers' generate")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per side and batch size; the best counts")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
@@ -49,6 +50,7 @@ def main() -> int:
         args.compile,
         args.runs,
         args.decode_kernels,
+        args.engine_only,
     )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(

@@ -5,7 +5,8 @@
 For GPT-2 124M's shapes in bf16: at batch 1, each linear of a layer (with its layer norm, bias,
 GELU or residual) as our `ln_linear` under a few tile configurations, against the torch ops the
 eager step runs for it; at batch 1, 64 and 256, the decode attention (position 200) against the
-cache write and masked SDPA over the 256-position span. Each figure is microseconds per call, 20 calls captured in one CUDA graph and
+cache write and masked SDPA over the 256-position span, under several block sizes and warp counts,
+with the GB/s each reads (`--attention-only --batch-sizes 256 1024` for the large batches). Each figure is microseconds per call, 20 calls captured in one CUDA graph and
 replayed 50 times. Also the largest difference from the torch result, to catch a config that is
 fast and wrong.
 """
@@ -93,33 +94,44 @@ def linears(batch: int, dtype: torch.dtype, device: torch.device) -> dict:
     return results
 
 
-def attention(batch: int, dtype: torch.dtype, device: torch.device) -> dict:
-    kv = torch.randn(batch, 2, H, T, D, device=device).to(dtype)
+def attention(batch: int, dtype: torch.dtype, device: torch.device, position: int = POSITION) -> dict:
+    """Our decode attention under each (BLOCK_T, num_warps), against the torch path; each with the GB/s
+    it reads (the keys and values of positions 0..position of every row and head) and its largest error."""
+    span = max(T, 1 << position.bit_length())
+    kv = torch.randn(batch, 2, H, span, D, device=device).to(dtype)
     qkv = torch.randn(batch, 3 * C, device=device).to(dtype)
-    positions = torch.full((batch,), POSITION, device=device)
-    mask = (torch.arange(T, device=device)[None, :] <= positions[:, None])[:, None, None, :]
+    positions = torch.full((batch,), position, device=device)
+    mask = (torch.arange(span, device=device)[None, :] <= positions[:, None])[:, None, None, :]
+    read_bytes = batch * 2 * H * (position + 1) * D * kv.element_size()
 
     def torch_op():
         q, k, v = (t.view(batch, H, 1, D) for t in qkv.split(C, dim=1))
         kv[torch.arange(batch, device=device), :, :, positions] = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1)
         return F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=mask).reshape(batch, C)
 
+    def timed(fn) -> dict:
+        us = graph_us(fn)
+        return {"us": round(us, 2), "GB/s": round(read_bytes / us / 1e3)}
+
     reference = torch_op().float()
-    row = {"torch (write + masked SDPA)": round(graph_us(torch_op), 2)}
+    row = {"torch (write + masked SDPA)": timed(torch_op)}
     for block_t in (32, 64, 128, 256):
-        out = kernels.decode_attention(qkv, kv, positions, block_t=block_t)
-        error = (out.float() - reference).abs().max().item()
-        row[f"ours BLOCK_T={block_t}"] = [
-            round(graph_us(lambda block_t=block_t: kernels.decode_attention(qkv, kv, positions, block_t=block_t)), 2),
-            round(error, 4),
-        ]
-    print(batch, "attention", json.dumps(row), flush=True)
+        for num_warps in (2, 4, 8):
+
+            def ours(block_t=block_t, num_warps=num_warps):
+                return kernels.decode_attention(qkv, kv, positions, block_t=block_t, num_warps=num_warps)
+
+            error = (ours().float() - reference).abs().max().item()
+            row[f"ours BLOCK_T={block_t} warps={num_warps}"] = timed(ours) | {"max error": round(error, 4)}
+    print(batch, f"attention at position {position}", json.dumps(row), flush=True)
     return row
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--attention-only", action="store_true", help="skip the linears")
+    parser.add_argument("--position", type=int, default=POSITION, help="the attention's position (context - 1)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -127,8 +139,8 @@ def main() -> int:
     results = {}
     for batch in args.batch_sizes:
         results[f"batch{batch}"] = {
-            "linears": linears(batch, dtype, device),
-            "attention": attention(batch, dtype, device),
+            "linears": None if args.attention_only else linears(batch, dtype, device),
+            "attention": attention(batch, dtype, device, args.position),
         }
         if args.json_out:
             args.json_out.write_text(json.dumps(results, indent=1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -26,11 +27,23 @@ logger = logging.getLogger(__name__)
 _ALPHABET = [chr(c) for c in range(32, 127)]
 
 
-def write_prompts(path: Path, num_prompts: int, min_tokens: int, max_tokens: int, seed: int = 0) -> Path:
+def write_prompts(
+    path: Path,
+    num_prompts: int,
+    min_tokens: int,
+    max_tokens: int,
+    seed: int = 0,
+    new_tokens_range: tuple[int, int] | None = None,
+) -> Path:
+    """Prompts of min_tokens..max_tokens characters; with `new_tokens_range`, a `max_tokens` column drawn
+    from it per row, so that rows finish at different steps."""
     rng = random.Random(seed)
     prompts = ["".join(rng.choices(_ALPHABET, k=rng.randint(min_tokens, max_tokens))) for _ in range(num_prompts)]
+    columns = {"prompt": prompts}
+    if new_tokens_range is not None:
+        columns["max_tokens"] = [rng.randint(*new_tokens_range) for _ in range(num_prompts)]
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"prompt": prompts}), path)
+    pq.write_table(pa.table(columns), path)
     return path
 
 
@@ -92,8 +105,35 @@ def naive_job(prompts: Path, model_dir: Path, output: Path, new_tokens: int, bat
         "job": f"naive map_batches + transformers generate (batch {batch_size})",
         "rows": rows,
         "wall_s": wall_s,
+        "first_row_s": None,
+        "completion_tokens": rows * new_tokens,
         "generated_tokens_per_s": rows * new_tokens / wall_s,
     }
+
+
+class FirstFile:
+    """Watches a directory from construction on; `seconds` is when the first Parquet file appeared under it
+    (the batch job's first finished block of rows), or None."""
+
+    def __init__(self, directory: Path, poll_s: float = 0.05) -> None:
+        self.directory, self.poll_s = directory, poll_s
+        self.started = time.perf_counter()
+        self.seconds: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            if self.directory.exists() and next(self.directory.rglob("*.parquet"), None) is not None:
+                self.seconds = time.perf_counter() - self.started
+                return
+            self._stop.wait(self.poll_s)
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        self._thread.join()
+        return self.seconds
 
 
 def our_job(
@@ -104,30 +144,41 @@ def our_job(
     max_batch_size: int,
     max_seq_len: int,
     compile_step: bool = False,
+    per_row_max_tokens: bool = False,
+    label: str = "",
 ) -> dict:
+    """The batch job on `prompts`, timed from the call to its summary. `per_row_max_tokens`: the prompts'
+    `max_tokens` column sets each row's budget (`new_tokens` is then only the default)."""
     from gpt2_platform.batch import load, run_generation
 
-    config = load(
-        None,
-        [
-            f"input.paths=[{prompts}]",
-            f"output.path={output}",
-            f"model.path={model_dir}",
-            f"generation.max_tokens={new_tokens}",
-            "generation.temperature=0",
-            "generation.ignore_eos=true",
-            f"engine.max_batch_size={max_batch_size}",
-            f"engine.max_seq_len={max_seq_len}",
-            f"engine.compile={str(compile_step).lower()}",
-            "scaling.batch_size=1024",
-        ],
-    )
+    overrides = [
+        f"input.paths=[{prompts}]",
+        f"output.path={output}",
+        f"model.path={model_dir}",
+        f"generation.max_tokens={new_tokens}",
+        "generation.temperature=0",
+        "generation.ignore_eos=true",
+        f"engine.max_batch_size={max_batch_size}",
+        f"engine.max_seq_len={max_seq_len}",
+        f"engine.compile={str(compile_step).lower()}",
+        # A block of rows per map_batches call at least as large as the engine's batch, and two of them in
+        # flight, so the next block's prompts fill the slots the current one frees.
+        f"scaling.batch_size={max(1024, max_batch_size)}",
+        "output.progress_bars=false",
+    ]
+    if per_row_max_tokens:
+        overrides.append("input.max_tokens_column=max_tokens")
+    config = load(None, overrides)
+    watcher = FirstFile(output)
     started = time.perf_counter()
     summary = run_generation(config)
     wall_s = time.perf_counter() - started
+    first_row_s = watcher.stop()
     return {
-        "job": f"gpt2-platform generate (engine batch {max_batch_size}{', compiled' if compile_step else ''})",
+        "job": f"gpt2-platform generate (engine batch {max_batch_size}{', compiled' if compile_step else ''}{label})",
         "rows": summary["rows"],
         "wall_s": wall_s,
+        "first_row_s": first_row_s,
+        "completion_tokens": summary["completion_tokens"],
         "generated_tokens_per_s": summary["completion_tokens"] / wall_s,
     }

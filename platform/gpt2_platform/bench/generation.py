@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams, resolve_dtype
@@ -145,19 +146,42 @@ def decode_step_latency(engine: Engine, batch: int, position: int, repeats: int 
     return 1000 * (time.perf_counter() - start) / repeats
 
 
+HBM_COPY_GBPS = {"H200": 4300.0, "H100": 3000.0}
+"""A device-to-device copy's rate (GB/s) on cards we ran on: the floor a decode step is held to (a step
+reads every weight and every row's keys and values once; DESIGN.md quotes 4.3 TB/s for the H200)."""
+
+
+def copy_rate_gbps(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((rate for card, rate in HBM_COPY_GBPS.items() if card in name), None)
+
+
+def step_bytes(model: GPT2, batch: int, context: float, dtype: torch.dtype) -> float:
+    """What one decode step must read at least: every parameter once, and each row's keys and values for
+    `context` positions in every layer (the head is the token embedding, counted once)."""
+    config = model.config
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * itemsize
+    kv_per_token = config.n_layer * 2 * config.n_embd * itemsize
+    return weights + batch * context * kv_per_token
+
+
 def pipelined_step_latency(engine: Engine, batch: int, position: int, repeats: int = 200) -> float:
     """Milliseconds per decode step as the engine's loop runs them: step n+1 is launched before step n's
     tokens are read, each step going on from the last one's tokens on the device."""
     runner = engine.runner
-    first = [(1, position, 1)] * batch  # fed once; every later step continues on the device
     # Positions advance a step at a time: they must stay inside the context.
     assert position + repeats + 10 < runner.max_seq_len, f"position {position} + {repeats} steps passes the context"
-    pending = runner.launch(first, position)
+    every = list(range(batch))
+    # Fed by the host once; every later step continues from what the device holds for its rows.
+    pending = runner.launch(batch, [], position, np.array([[1] * batch, [position] * batch, [1] * batch]))
     for step in range(1, repeats + 10):
         if step == 10:
             pending.tokens()
             start = time.perf_counter()
-        launched = runner.launch([None] * batch, position + step)
+        launched = runner.launch(batch, every, position + step)
         pending.tokens()
         pending = launched
     pending.tokens()
@@ -174,13 +198,18 @@ def run(
     compile_step: bool = False,
     runs: int = 3,
     decode_kernels: str = "auto",
+    engine_only: bool = False,
 ) -> dict:
-    """transformers first (before our engine exists, so nothing of ours runs beside it), then the engine."""
+    """transformers first (before our engine exists, so nothing of ours runs beside it), then the engine.
+
+    `engine_only`: skip transformers (at batch 1,024 its generate takes minutes and is not the question)."""
     torch.manual_seed(0)
     model = GPT2(preset(preset_name))
     dtype = resolve_dtype(dtype_name, device)
     prompts = {b: random_prompts(b, prompt_tokens, model.config.vocab_size) for b in batch_sizes}
-    theirs = {b: hf_generate(model, prompts[b], new_tokens, dtype, device, runs) for b in batch_sizes}
+    theirs = (
+        {} if engine_only else {b: hf_generate(model, prompts[b], new_tokens, dtype, device, runs) for b in batch_sizes}
+    )
     config = EngineConfig(
         max_batch_size=max(batch_sizes),
         max_seq_len=prompt_tokens + new_tokens,
@@ -197,8 +226,15 @@ def run(
         # From the same position, in the same span bucket as the one-at-a-time steps.
         repeats = min(200, config.max_seq_len - prompt_tokens - 12)
         pipelined = {b: pipelined_step_latency(engine, b, prompt_tokens, repeats) for b in sizes}
+        # The timed steps' mean context: they run from position prompt_tokens + 10 on, one position a step.
+        context = prompt_tokens + 10 + (repeats + 1) / 2
+        traffic = {b: step_bytes(model, b, context, dtype) for b in sizes}
         for batch in batch_sizes:
             ours = engine_generate(engine, prompts[batch], new_tokens, runs)
+            if engine_only:
+                rows.append(asdict(ours))
+                logger.info("batch %d: engine %.0f tokens/s", batch, ours.tokens_per_s)
+                continue
             rows += [asdict(theirs[batch]), asdict(ours)]
             logger.info(
                 "batch %d: transformers %.0f tokens/s, engine %.0f tokens/s (%.1fx)",
@@ -209,9 +245,15 @@ def run(
             )
     finally:
         engine.shutdown()
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {
         "decode_step_ms": latency,
         "pipelined_decode_step_ms": pipelined,
+        "pipelined_context": context,
+        "step_bytes": traffic,
+        "copy_rate_gbps": copy_rate_gbps(device),
+        "peak_memory_gib": peak,
+        "engine_only": engine_only,
         "rows": rows,
         "stats": engine.stats(),
         "compile": compile_step,
@@ -221,23 +263,40 @@ def run(
 
 
 def as_markdown(result: dict) -> str:
-    lines = [
-        "| batch | transformers tokens/s | engine tokens/s | speedup | transformers ms/step | engine ms/step |",
-        "|---|---|---|---|---|---|",
-    ]
     rows = result["rows"]
-    for theirs, ours in zip(rows[::2], rows[1::2], strict=True):
-        lines.append(
-            f"| {ours['batch_size']} | {theirs['tokens_per_s']:,.0f} | {ours['tokens_per_s']:,.0f} | "
-            f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.1f}x | {theirs['ms_per_step']:.2f} | {ours['ms_per_step']:.2f} |"
-        )
+    if result.get("engine_only"):
+        lines = ["| batch | engine tokens/s | engine ms/step |", "|---|---|---|"]
+        lines += [f"| {r['batch_size']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} |" for r in rows]
+    else:
+        lines = [
+            "| batch | transformers tokens/s | engine tokens/s | speedup | transformers ms/step | engine ms/step |",
+            "|---|---|---|---|---|---|",
+        ]
+        for theirs, ours in zip(rows[::2], rows[1::2], strict=True):
+            lines.append(
+                f"| {ours['batch_size']} | {theirs['tokens_per_s']:,.0f} | {ours['tokens_per_s']:,.0f} | "
+                f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.1f}x | {theirs['ms_per_step']:.2f} | {ours['ms_per_step']:.2f} |"
+            )
+    rate = result.get("copy_rate_gbps")
     lines += [
         "",
-        "| batch | engine decode step ms, one at a time (host included) | pipelined, as the engine runs them |",
-        "|---|---|---|",
+        f"Decode steps at a mean context of {result.get('pipelined_context', float('nan')):.0f} tokens; GB/s is what "
+        "a step must read (weights once, every row's keys and values) over its time"
+        + (f", against a copy rate of {rate:,.0f} GB/s." if rate else "."),
+        "",
+        "| batch | one at a time ms (host included) | pipelined ms | MB read a step | GB/s | of copy rate | floor ms |",
+        "|---|---|---|---|---|---|---|",
     ]
-    pipelined = result.get("pipelined_decode_step_ms", {})
-    lines += [
-        f"| {b} | {ms:.3f} | {pipelined.get(b, float('nan')):.3f} |" for b, ms in result["decode_step_ms"].items()
-    ]
+    pipelined, traffic = result.get("pipelined_decode_step_ms", {}), result.get("step_bytes", {})
+    for b, ms in result["decode_step_ms"].items():
+        step, moved = pipelined.get(b, float("nan")), traffic.get(b, float("nan"))
+        gbps = moved / step / 1e6
+        share = f"{gbps / rate:.0%}" if rate else "-"
+        floor = f"{moved / rate / 1e6:.3f}" if rate else "-"
+        lines.append(f"| {b} | {ms:.3f} | {step:.3f} | {moved / 1e6:,.0f} | {gbps:,.0f} | {share} | {floor} |")
+    if result.get("peak_memory_gib") is not None:
+        lines += [
+            "",
+            f"Peak memory allocated: {result['peak_memory_gib']:.2f} GiB (the KV cache for the largest batch included).",
+        ]
     return "\n".join(lines)

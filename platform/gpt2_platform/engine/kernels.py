@@ -366,6 +366,7 @@ def decode_attention(
     scale: float | None = None,
     block_t: int | None = None,
     pdl: bool = False,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Attention of one new token per row: `qkv` `(B, 3C)`; `kv` the layer's cache `(slots, 2, H, T, D)`.
 
@@ -394,7 +395,7 @@ def decode_attention(
         D=head_dim,
         BLOCK_T=block_t,
         PDL=pdl,
-        num_warps=4,
+        num_warps=num_warps,
         **_launch(pdl),
     )
     return out
