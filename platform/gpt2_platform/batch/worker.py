@@ -30,6 +30,9 @@ from gpt2_platform.moderation import Moderator
 logger = logging.getLogger(__name__)
 IMPORTED_AT = time.time()  # when this module (and the engine, torch, transformers below it) finished importing
 
+REPORT_EVERY_S = 15.0
+"""How often an actor logs its engine's progress."""
+
 # Ray's synthetic columns, read when the input has no id column.
 PATH_COLUMN = "path"
 ROW_HASH_COLUMN = "row_hash"
@@ -129,6 +132,8 @@ class GenerateBatch:
                 age,
                 age - (constructed_at - IMPORTED_AT),
             )
+        self._stop_reporting = threading.Event()
+        threading.Thread(target=self._report, name="engine-progress", daemon=True).start()
         logger.info(
             "engine ready on %s in %.1f s (model %.1f s, engine %.1f s, warm-up %.1f s), %d ids already done",
             device,
@@ -138,6 +143,30 @@ class GenerateBatch:
             time.perf_counter() - built,
             len(self.done),
         )
+
+    def _report(self, every_s: float = REPORT_EVERY_S) -> None:
+        """A log line every `every_s` while the engine works: what a long job is doing, and, if it is
+        slower than the engine can go, whether the engine was starved (idle, rows per step well under
+        engine.max_batch_size) or busy."""
+        before, then = self.engine.stats(), time.perf_counter()
+        while not self._stop_reporting.wait(every_s):
+            now, stats = time.perf_counter(), self.engine.stats()
+            steps, tokens = stats["steps"] - before["steps"], stats["generated_tokens"] - before["generated_tokens"]
+            if steps or stats["waiting"]:
+                elapsed = now - then
+                logger.info(
+                    "engine: %.0f tokens/s, %.0f steps/s at %.0f rows a step (of %d slots), %d rows finished, "
+                    "%d waiting, idle %.0f%% of the last %.0f s",
+                    tokens / elapsed,
+                    steps / elapsed,
+                    tokens / max(steps, 1),
+                    self.spec.engine.max_batch_size,
+                    stats["finished"],
+                    stats["waiting"],
+                    100 * (stats["idle_s"] - before["idle_s"]) / elapsed,
+                    elapsed,
+                )
+            before, then = stats, now
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """Generate the batch's rows and write them as one staged file; returns how many it wrote.
@@ -219,6 +248,9 @@ class GenerateBatch:
         return pa.table(rows, schema=OUTPUT_SCHEMA)
 
     def __del__(self) -> None:
+        stop = getattr(self, "_stop_reporting", None)
+        if stop is not None:
+            stop.set()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -139,6 +139,7 @@ class Engine:
         self.queue_s = 0.0
         self.first_token_s = 0.0
         self.num_first_tokens = 0
+        self.idle_s = 0.0  # the loop waiting with nothing queued or running: work did not come fast enough
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, warmup: bool = True, modes: tuple[str, ...] = SAMPLING_MODES) -> Engine:
@@ -274,7 +275,8 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters since start. `queue_s` and `first_token_s` sum, over the `first_tokens` sequences that
-        have had a token, the seconds from submit to admission and from admission to that first token."""
+        have had a token, the seconds from submit to admission and from admission to that first token;
+        `idle_s` is the loop's time with nothing to run."""
         running = sum(s is not None for s in self._slots)
         return {
             "steps": self.num_steps,
@@ -288,6 +290,7 @@ class Engine:
             "queue_s": self.queue_s,
             "first_token_s": self.first_token_s,
             "first_tokens": self.num_first_tokens,
+            "idle_s": self.idle_s,
             "batch_sizes": dict(sorted(self.batch_sizes.items())),
         }
 
@@ -296,8 +299,11 @@ class Engine:
         try:
             while True:
                 with self._wakeup:
-                    while not self._stopping and not self._waiting and not self._has_running():
-                        self._wakeup.wait()
+                    if not self._stopping and not self._waiting and not self._has_running():
+                        idle_from = time.perf_counter()
+                        while not self._stopping and not self._waiting and not self._has_running():
+                            self._wakeup.wait()
+                        self.idle_s += time.perf_counter() - idle_from
                     if self._stopping:
                         return
                     cancelled, self._cancelled = self._cancelled, set()
