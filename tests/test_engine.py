@@ -361,3 +361,40 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.01) -> bool:
             return True
         time.sleep(interval_s)
     return bool(predicate())
+
+
+def test_quiet_sequences_end_with_one_event_holding_what_a_streamed_one_gets(engine, tokenizer):
+    # generate() submits quiet sequences (no stop strings): their tokens are taken in a step at a time
+    # with numpy and they get one event, at the end. Streamed ones go token by token through Python.
+    # Both must see the same tokens, end the same way, and (decoded) give the same text.
+    prompts = [tokenizer(f"{name} has")["input_ids"] for name in ("alice", "bob", "carol", "dave", "erin", "frank")]
+    params = [greedy(n) for n in (7, 1, 30, 12, 3, 20)]
+
+    def streamed(prompt, p):
+        events, done = [], threading.Event()
+
+        def on_event(event):
+            events.append(event)
+            if event.finished:
+                done.set()
+
+        engine.submit(prompt, p, on_event)
+        assert done.wait(60)
+        return events
+
+    loud = [streamed(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+    quiet = engine.generate(prompts, params)
+    for events, completion, p in zip(loud, quiet, params, strict=True):
+        assert [t for e in events for t in e.token_ids] == completion.token_ids
+        assert "".join(e.text for e in events) == completion.text
+        assert (events[-1].finish_reason, events[-1].completion_tokens) == ("length", p.max_tokens)
+        assert completion.finish_reason == "length" and completion.completion_tokens == p.max_tokens
+
+    events = []
+    finished = threading.Event()
+    engine.submit(prompts[0], params[2], lambda e: (events.append(e), e.finished and finished.set()), final_only=True)
+    assert finished.wait(60)
+    (event,) = events
+    assert event.finish_reason == "length" and len(event.token_ids) == event.completion_tokens == 30
+    assert event.text == ""  # the consumer decodes
+    assert tokenizer.decode(event.token_ids) == engine.generate([prompts[0]], [params[2]])[0].text

@@ -21,6 +21,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -53,13 +54,14 @@ class _Sequence:
     sink: TokenSink | None = None  # takes its tokens as records, with no Event each
     sink_key: int = 0
     slot: int = -1
+    # Its tokens so far; a quiet sequence's stay in the engine's token table until it finishes.
     generated: list[int] = field(default_factory=list)
-    # Tokens started on the device (its prefill, then one per decode step); ahead of `generated` by the
-    # ones not yet taken in (up to 2: the prefill's or the step in flight's, and the step just launched).
-    launched: int = 0
     # From params, read once per token: the budget, and end-of-text (-1 when it is ignored).
     max_tokens: int = 0
     stop_token: int = -1
+    # Quiet: its consumer wants only the end (generate() without stop strings), so its tokens are taken in
+    # a whole step at a time with numpy, and no Python runs for it per token.
+    quiet: bool = False
     submitted_at: float = 0.0  # time.perf_counter(), for stats()
     admitted_at: float = 0.0
 
@@ -118,6 +120,19 @@ class Engine:
         self._waiting: deque[_Sequence] = deque()
         self._cancelled: set[int] = set()
         self._slots: list[_Sequence | None] = [None] * config.max_batch_size
+        # What a step needs of each slot, as arrays: at hundreds of sequences a step, a Python loop over them
+        # to launch the step and another to take its tokens in cost more host time than the device's step
+        # (the batch job's py-spy profile, docs/benchmarks.md).
+        slots = config.max_batch_size
+        self._occupant = np.zeros(slots, np.int64)  # the request id in the slot, 0 when free
+        self._launched = np.zeros(slots, np.int64)  # tokens started on the device (prefill, then a step each)
+        self._budget = np.zeros(slots, np.int64)  # max_tokens
+        self._prompt_len = np.zeros(slots, np.int64)
+        self._quiet = np.zeros(slots, bool)
+        self._taken = np.zeros(slots, np.int64)  # a quiet sequence's tokens taken in
+        self._stop_token = np.full(slots, -1, np.int64)
+        self._admitted_at = np.zeros(slots)
+        self._table = np.zeros((slots, self.max_seq_len), np.int32)  # a quiet sequence's tokens, by slot
         self._wakeup = threading.Condition()
         self._stopping = False
         self._error: BaseException | None = None
@@ -189,6 +204,7 @@ class Engine:
         request_size: int = 1,
         sink: TokenSink | None = None,
         sink_key: int = 0,
+        final_only: bool = False,
     ) -> int:
         """Queue a request; `on_event` is called from the engine thread with each step's output.
 
@@ -200,19 +216,22 @@ class Engine:
         token budget, or when cancelled. With a `sink` (tokens only), each token goes to the sink as
         a record under `sink_key` instead, and `on_event`, if given, gets only the last event, with no
         tokens. `request_size` is the interface's (engine/protocol.py): this engine queues whatever it
-        is given, so it ignores it.
+        is given, so it ignores it. With `final_only` (and no stop strings, sink or `tokens_only`), the
+        sequence is quiet: `on_event` gets one event, at the end, with every token and no text (the
+        consumer decodes it; `generate()` does), and the engine spends no Python on it per token.
         """
         self.check_health()
         params = GenerationParams(params.max_tokens, tuple(params.stop), params.ignore_eos, params.sampling.resolved())
         self.validate(prompt_ids, params)
         assert on_event is not None or sink is not None, "a sequence needs an on_event or a sink"
+        quiet = final_only and not tokens_only and sink is None and not params.stop
         output = None
-        if not tokens_only and sink is None:
+        if not tokens_only and sink is None and not quiet:
             output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
         stop_token = -1 if params.ignore_eos or self.eos_token_id is None else self.eos_token_id
         sequence = _Sequence(
             next(self._ids), list(prompt_ids), params, on_event, output, sink, sink_key,
-            max_tokens=params.max_tokens, stop_token=stop_token, submitted_at=time.perf_counter(),
+            max_tokens=params.max_tokens, stop_token=stop_token, quiet=quiet, submitted_at=time.perf_counter(),
         )  # fmt: skip
         with self._wakeup:
             self._waiting.append(sequence)
@@ -253,12 +272,17 @@ class Engine:
                 done.release()
 
         ids = [
-            self.submit(prompt, p, collect, incremental_text=False) for prompt, p in zip(prompts, params, strict=True)
+            self.submit(prompt, p, collect, incremental_text=False, final_only=True)
+            for prompt, p in zip(prompts, params, strict=True)
         ]
         for _ in ids:
             while not done.acquire(timeout=1.0):
                 self.check_health()
-        return [self._completion(results[i]) for i in ids]
+        completions = [self._completion(results[i]) for i in ids]
+        for completion, p in zip(completions, params, strict=True):
+            if not p.stop and completion.error is None:  # quiet: the text is ours to decode, on this thread
+                completion.text = self.tokenizer.decode(completion.token_ids)
+        return completions
 
     @staticmethod
     def _completion(events: list[Event]) -> Completion:
@@ -277,7 +301,7 @@ class Engine:
         """Counters since start. `queue_s` and `first_token_s` sum, over the `first_tokens` sequences that
         have had a token, the seconds from submit to admission and from admission to that first token;
         `idle_s` is the loop's time with nothing to run."""
-        running = sum(s is not None for s in self._slots)
+        running = int(np.count_nonzero(self._occupant))
         return {
             "steps": self.num_steps,
             "prefills": self.num_prefills,
@@ -338,7 +362,7 @@ class Engine:
             self._deliver(batch)
 
     def _has_running(self) -> bool:
-        return self._in_flight is not None or any(s is not None for s in self._slots)
+        return self._in_flight is not None or bool(self._occupant.any())
 
     def _drop_cancelled(self, cancelled: set[int]) -> None:
         if not cancelled:
@@ -351,7 +375,7 @@ class Engine:
         for sequence in dropped + [s for s in self._slots if s is not None and s.request_id in cancelled]:
             self._finish(sequence, "abort", [], "")
 
-    def _admit(self) -> tuple[Launch, list[_Sequence]] | None:
+    def _admit(self) -> tuple[Launch, np.ndarray, np.ndarray] | None:
         """Start the prefill of waiting requests in free slots (lowest first, keeping decode batches small).
 
         Their first tokens stay on the device, where this iteration's decode step goes on from them;
@@ -360,40 +384,51 @@ class Engine:
         admitted: list[_Sequence] = []
         budget = self.config.max_prefill_tokens
         with self._wakeup:
-            free = [i for i, s in enumerate(self._slots) if s is None]
-            while self._waiting and free and (not admitted or len(self._waiting[0].prompt) <= budget):
+            if not self._waiting:
+                return None
+            free = iter(np.flatnonzero(self._occupant == 0).tolist())
+            slot = next(free, None)
+            while self._waiting and slot is not None and (not admitted or len(self._waiting[0].prompt) <= budget):
                 sequence = self._waiting.popleft()
-                sequence.slot = free.pop(0)
+                sequence.slot = slot
                 budget -= len(sequence.prompt)
-                self._slots[sequence.slot] = sequence
+                self._slots[slot] = sequence
                 admitted.append(sequence)
+                slot = next(free, None)
         if not admitted:
             return None
         now = time.perf_counter()
         for sequence in admitted:
-            s = sequence.params.sampling
-            self.runner.set_sampling(sequence.slot, s.temperature, s.top_k, s.top_p, s.seed)
-            sequence.launched = 1
+            s, slot = sequence.params.sampling, sequence.slot
+            self.runner.set_sampling(slot, s.temperature, s.top_k, s.top_p, s.seed)
+            self._occupant[slot] = sequence.request_id
+            self._launched[slot] = 1
+            self._budget[slot] = sequence.max_tokens
+            self._prompt_len[slot] = len(sequence.prompt)
+            self._quiet[slot] = sequence.quiet
+            self._taken[slot] = 0
+            self._stop_token[slot] = sequence.stop_token
+            self._admitted_at[slot] = now
             self.queue_s += now - sequence.submitted_at
             sequence.admitted_at = now
-        prefill = self.runner.start_prefill([s.prompt for s in admitted], [s.slot for s in admitted])
+        slots = np.array([s.slot for s in admitted], np.int64)
+        prefill = self.runner.start_prefill([s.prompt for s in admitted], slots.tolist())
         self.num_prefills += 1
         self.num_prompt_tokens += sum(len(s.prompt) for s in admitted)
-        return prefill, admitted
+        return prefill, slots, self._occupant[slots]
 
-    def _launch(self) -> tuple[Launch, list[_Sequence]] | None:
+    def _launch(self) -> tuple[Launch, np.ndarray, np.ndarray] | None:
         """Start a decode step for every running sequence that may still need a token."""
-        running = [s for s in self._slots if s is not None and s.launched < s.max_tokens]
-        if not running:
+        slots = np.flatnonzero((self._occupant != 0) & (self._launched < self._budget))
+        if not slots.size:
             return None
         # The token a sequence feeds this step sits at position len(prompt) - 1 + launched.
-        max_position = max(len(s.prompt) + s.launched for s in running) - 1
-        active = max(s.slot for s in running) + 1
-        for sequence in running:
-            sequence.launched += 1
+        max_position = int((self._prompt_len[slots] + self._launched[slots]).max()) - 1
+        active = int(slots[-1]) + 1
+        self._launched[slots] += 1
         self.num_steps += 1
-        self.batch_sizes[len(running)] += 1
-        return self.runner.launch(active, [s.slot for s in running], max_position), running
+        self.batch_sizes[slots.size] += 1
+        return self.runner.launch(active, slots, max_position), slots, self._occupant[slots]
 
     def _collect(self) -> None:
         """Take in the first tokens of the last prefill and the tokens of the last decode step; sequences
@@ -402,19 +437,48 @@ class Engine:
         if iteration is None:
             return
         self._in_flight = None
-        slots = self._slots
         # The prefill ran before the step on the device: its tokens (in admission order) come first.
         if iteration.prefill is not None:
-            launch, admitted = iteration.prefill
-            for sequence, token in zip(admitted, launch.tokens(), strict=True):
-                if slots[sequence.slot] is sequence:  # not finished (or cancelled) since the launch
-                    self._append(sequence, token)
+            launch, slots, occupants = iteration.prefill
+            self._take(slots, occupants, launch.array())
         if iteration.step is not None:
-            launch, running = iteration.step
-            tokens = launch.tokens()  # by slot
-            for sequence in running:
-                if slots[sequence.slot] is sequence:
-                    self._append(sequence, tokens[sequence.slot])
+            launch, slots, occupants = iteration.step
+            self._take(slots, occupants, launch.array()[slots])  # the step's tokens are by slot
+
+    def _take(self, slots: np.ndarray, occupants: np.ndarray, tokens: np.ndarray) -> None:
+        """Take in one token for each of `slots`, launched while `occupants` held them; a slot whose
+        sequence ended (or was cancelled) since then drops its token."""
+        kept = self._occupant[slots] == occupants
+        if not kept.all():
+            slots, tokens = slots[kept], tokens[kept]
+        quiet = self._quiet[slots]
+        if quiet.any():
+            self._take_quiet(slots[quiet], tokens[quiet])
+        if not quiet.all():
+            loud = ~quiet
+            for slot, token in zip(slots[loud].tolist(), tokens[loud].tolist(), strict=True):
+                self._append(self._slots[slot], token)
+
+    def _take_quiet(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """Quiet sequences' tokens, a step's at once: into the token table, and the finished ones out."""
+        taken = self._taken[slots]
+        self._table[slots, taken] = tokens
+        taken += 1
+        self._taken[slots] = taken
+        self.num_generated_tokens += slots.size
+        first = taken == 1
+        if first.any():
+            self.first_token_s += float((time.perf_counter() - self._admitted_at[slots[first]]).sum())
+            self.num_first_tokens += int(first.sum())
+        ended = (taken >= self._budget[slots]) | (tokens == self._stop_token[slots])
+        for slot in slots[ended].tolist():
+            sequence = self._slots[slot]
+            generated = self._table[slot, : self._taken[slot]].tolist()
+            sequence.generated = generated
+            if generated[-1] == sequence.stop_token:
+                self._finish(sequence, "stop", generated[:-1], "")
+            else:
+                self._finish(sequence, "length", generated, "")
 
     def _append(self, sequence: _Sequence, token: int) -> None:
         """Record one generated token; emit it (and its text), or finish the sequence."""
@@ -455,6 +519,7 @@ class Engine:
     ) -> None:
         if 0 <= sequence.slot < len(self._slots) and self._slots[sequence.slot] is sequence:
             self._slots[sequence.slot] = None
+            self._occupant[sequence.slot] = 0
         self.num_finished += 1
         if sequence.sink is not None:
             sequence.sink.add((sequence.sink_key, token_ids[0] if token_ids else -1, reason, error))
@@ -495,5 +560,6 @@ class Engine:
 class _Iteration:
     """What one loop iteration started on the device: a prefill of new sequences, a decode step, or both."""
 
-    prefill: tuple[Launch, list[_Sequence]] | None
-    step: tuple[Launch, list[_Sequence]] | None
+    # Each: the launch, the slots it computes for, and the request ids that held them at the launch.
+    prefill: tuple[Launch, np.ndarray, np.ndarray] | None
+    step: tuple[Launch, np.ndarray, np.ndarray] | None

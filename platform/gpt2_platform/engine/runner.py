@@ -30,10 +30,13 @@ SAMPLING_MODES = ("greedy", "plain", "filtered")
 # one int64 copy carries a prefill's whole input, sampling parameters included.
 _SLOT, _LAST, _TEMPERATURE, _TOP_K, _TOP_P, _SEED, PROMPT_HEADER = range(7)
 # Prompts admitted together up to this many, and up to this many tokens with their padding, replay a
-# prefill graph; more (a batch job's first wave) take one eager prefill, whose launches (milliseconds of
-# host time) are then small beside its compute (jobs/probes/prefill_batching.py).
-GRAPHED_PREFILL_MAX = 32
-GRAPHED_PREFILL_TOKENS = 4096
+# prefill graph; more (a batch job's first wave) take one eager prefill, whose launches cost milliseconds
+# of host time (jobs/probes/prefill_batching.py). A batch job at 1,024 slots admits about 4,096 prompt
+# tokens (engine.max_prefill_tokens) at a time all through the run, not only in its first wave: up to 64
+# prompts padded to 128, which a limit of 32 sent eager, and its host time per step was then the
+# bottleneck (py-spy profile of the 100,000-prompt job, docs/benchmarks.md).
+GRAPHED_PREFILL_MAX = 64
+GRAPHED_PREFILL_TOKENS = 8192
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -371,7 +374,9 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def launch(self, active: int, continuing: list[int], max_position: int, fed: np.ndarray | None = None) -> Launch:
+    def launch(
+        self, active: int, continuing: list[int] | np.ndarray, max_position: int, fed: np.ndarray | None = None
+    ) -> Launch:
         """Start the decode step for slots 0..active-1 without waiting for it; `Launch.tokens()` waits.
 
         The slots in `continuing` go on from what the device holds for them: their prefill's first
@@ -507,3 +512,9 @@ class Launch:
         if self.done is not None:
             self.done.synchronize()
         return self.result[: self.active].tolist()
+
+    def array(self) -> np.ndarray:
+        """The tokens as a numpy array of their own (the pinned buffer is reused by a later launch)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.result[: self.active].numpy().copy()
