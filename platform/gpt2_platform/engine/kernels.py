@@ -366,7 +366,7 @@ def decode_attention(
     scale: float | None = None,
     block_t: int | None = None,
     pdl: bool = False,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per row: `qkv` `(B, 3C)`; `kv` the layer's cache `(slots, 2, H, T, D)`.
 
@@ -378,8 +378,12 @@ def decode_attention(
     if block_t is None:
         # H200, position 200 (jobs/probes/triton_kernels.py): at batch 1, 256 positions a block took
         # 3.8 us against 7.4 at 64 (and 16.3 for the cache write and masked SDPA of the torch path);
-        # at batch 64, 128 took 11.3 us against 13.5 at 256 (torch: 34.1).
-        block_t = 256 if batch <= 8 else 128
+        # at batch 64, 128 took 11.3 us against 13.5 at 256 (torch: 34.1). From 256 rows, where the
+        # attention is most of the step, 64 positions and 2 warps a program read the cache fastest
+        # (the probe's sweep at 256 and 1,024 rows, docs/benchmarks.md).
+        block_t = 256 if batch <= 8 else 128 if batch < 256 else 64
+    if num_warps is None:
+        num_warps = 2 if batch >= 256 else 4
     assert two == 2 and kv.is_contiguous() and qkv.is_contiguous() and qkv.shape[1] == 3 * heads * head_dim
     out = torch.empty(batch, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     _decode_attention_kernel[(batch, heads)](
