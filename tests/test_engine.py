@@ -398,3 +398,50 @@ def test_quiet_sequences_end_with_one_event_holding_what_a_streamed_one_gets(eng
     assert event.finish_reason == "length" and len(event.token_ids) == event.completion_tokens == 30
     assert event.text == ""  # the consumer decodes
     assert tokenizer.decode(event.token_ids) == engine.generate([prompts[0]], [params[2]])[0].text
+
+
+def test_logprobs_of_generated_tokens_are_transformers_log_softmax(model, tokenizer, tmp_path):
+    # Greedy and sampled tokens, with 0, 2 and 5 alternatives, against transformers' GPT2LMHeadModel on the
+    # same weights: the log-probabilities are of the raw logits, before temperature and top-k/top-p.
+    from transformers import GPT2LMHeadModel
+
+    checkpoint.save_pretrained(model, tmp_path / "model")
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "model").eval()
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=4, max_seq_len=128, dtype="fp32")).start()
+    try:
+        prompts = [tokenizer(text)["input_ids"] for text in ("alice has", "the quick brown fox", "bob")]
+        params = [
+            GenerationParams(max_tokens=9, ignore_eos=True, sampling=SamplingParams(temperature=0.0), logprobs=5),
+            GenerationParams(
+                max_tokens=7, ignore_eos=True, sampling=SamplingParams(temperature=1.3, top_k=4, seed=3), logprobs=2
+            ),
+            GenerationParams(max_tokens=5, ignore_eos=True, sampling=SamplingParams(temperature=0.0), logprobs=0),
+        ]
+        plain = engine.generate(prompts[:1], [dataclasses.replace(params[0], logprobs=None)])[0]
+        completions = engine.generate(prompts, params)
+    finally:
+        engine.shutdown()
+    assert plain.logprobs is None and plain.token_ids == completions[0].token_ids  # asking changes no token
+    for prompt, p, completion in zip(prompts, params, completions, strict=True):
+        assert len(completion.logprobs) == len(completion.token_ids) == p.max_tokens
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0].double()
+        expected = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]  # the positions that chose each token
+        for position, (token, (logprob, alternatives)) in enumerate(
+            zip(completion.token_ids, completion.logprobs, strict=True)
+        ):
+            assert abs(logprob - expected[position, token].item()) < 1e-4
+            assert len(alternatives) == p.logprobs
+            top = torch.topk(expected[position], p.logprobs)
+            assert [i for i, _ in alternatives] == top.indices.tolist()
+            assert all(abs(lp - v) < 1e-4 for (_, lp), v in zip(alternatives, top.values.tolist(), strict=True))
+        if p.sampling.temperature == 0 and p.logprobs:  # greedy: the chosen token is the top one
+            assert all(
+                alts[0][0] == token for token, (_, alts) in zip(completion.token_ids, completion.logprobs, strict=True)
+            )
+
+
+@pytest.mark.parametrize("logprobs", [-1, 6, 2.5, True])
+def test_logprobs_out_of_range_are_refused(engine, logprobs):
+    with pytest.raises(ValueError, match="logprobs must be an integer in"):
+        engine.generate([[1, 2]], GenerationParams(max_tokens=2, logprobs=logprobs))

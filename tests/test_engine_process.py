@@ -4,6 +4,7 @@ cancel, validation in the parent, a child that dies or whose parent dies, and th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -100,6 +101,13 @@ def test_greedy_tokens_and_text_equal_an_in_process_engine(engine_process, model
         assert [t for e in ours for t in e.token_ids] == [t for e in theirs for t in e.token_ids]
         assert "".join(e.text for e in ours) == "".join(e.text for e in theirs)
         assert ours[-1].finish_reason == "length" and ours[-1].completion_tokens == 40
+        assert all(e.logprobs is None for e in ours)
+    # Log-probabilities cross the process boundary with their tokens.
+    (with_logprobs,) = run_to_end(engine_process, prompts[:1], dataclasses.replace(greedy(6), logprobs=3))
+    tokens = [t for e in with_logprobs for t in e.token_ids]
+    logprobs = [lp for e in with_logprobs for lp in e.logprobs]
+    assert len(logprobs) == len(tokens) == 6
+    assert all(lp <= 0 and len(top) == 3 and top[0][0] == t for t, (lp, top) in zip(tokens, logprobs, strict=True))
     # The child reports its counters at most every 0.1 s.
     assert wait_until(lambda: engine_process.stats()["prompt_tokens"] >= sum(map(len, prompts)), timeout_s=2)
 

@@ -23,6 +23,8 @@ MAX_TOP_K = 2**31 - 1
 """Largest top_k (int32's largest); any top_k from the vocabulary size up already means no limit."""
 MAX_SEED = 2**63 - 1
 """Largest sampling seed: seeds live in int64 tensors."""
+MAX_LOGPROBS = 5
+"""Most alternatives a token's log-probabilities come with: OpenAI's completions API allows 5."""
 
 
 @dataclass(frozen=True)

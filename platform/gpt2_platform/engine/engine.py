@@ -35,6 +35,7 @@ from gpt2_platform.engine.requests import (
     EngineDeadError,
     Event,
     GenerationParams,
+    TokenLogprob,
     TokenSink,
     validate_request,
 )
@@ -62,6 +63,9 @@ class _Sequence:
     # Quiet: its consumer wants only the end (generate() without stop strings), so its tokens are taken in
     # a whole step at a time with numpy, and no Python runs for it per token.
     quiet: bool = False
+    # With params.logprobs: each generated token's, as taken in, and how many events have carried so far.
+    token_logprobs: list[TokenLogprob] | None = None
+    logprobs_sent: int = 0
     submitted_at: float = 0.0  # time.perf_counter(), for stats()
     admitted_at: float = 0.0
 
@@ -221,10 +225,14 @@ class Engine:
         consumer decodes it; `generate()` does), and the engine spends no Python on it per token.
         """
         self.check_health()
-        params = GenerationParams(params.max_tokens, tuple(params.stop), params.ignore_eos, params.sampling.resolved())
+        params = GenerationParams(
+            params.max_tokens, tuple(params.stop), params.ignore_eos, params.sampling.resolved(), params.logprobs
+        )
         self.validate(prompt_ids, params)
         assert on_event is not None or sink is not None, "a sequence needs an on_event or a sink"
-        quiet = final_only and not tokens_only and sink is None and not params.stop
+        if sink is not None and params.logprobs is not None:
+            raise ValueError("logprobs are not carried through a token sink; submit with on_event")
+        quiet = final_only and not tokens_only and sink is None and not params.stop and params.logprobs is None
         output = None
         if not tokens_only and sink is None and not quiet:
             output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
@@ -232,6 +240,7 @@ class Engine:
         sequence = _Sequence(
             next(self._ids), list(prompt_ids), params, on_event, output, sink, sink_key,
             max_tokens=params.max_tokens, stop_token=stop_token, quiet=quiet, submitted_at=time.perf_counter(),
+            token_logprobs=None if params.logprobs is None else [],
         )  # fmt: skip
         with self._wakeup:
             self._waiting.append(sequence)
@@ -287,7 +296,9 @@ class Engine:
     @staticmethod
     def _completion(events: list[Event]) -> Completion:
         last = events[-1]
+        asked = any(e.logprobs is not None for e in events)
         return Completion(
+            logprobs=[lp for e in events for lp in e.logprobs or ()] if asked else None,
             token_ids=[t for e in events for t in e.token_ids],
             text="".join(e.text for e in events),
             finish_reason=last.finish_reason or "error",
@@ -400,7 +411,9 @@ class Engine:
         now = time.perf_counter()
         for sequence in admitted:
             s, slot = sequence.params.sampling, sequence.slot
-            self.runner.set_sampling(slot, s.temperature, s.top_k, s.top_p, s.seed)
+            self.runner.set_sampling(
+                slot, s.temperature, s.top_k, s.top_p, s.seed, logprobs=sequence.token_logprobs is not None
+            )
             self._occupant[slot] = sequence.request_id
             self._launched[slot] = 1
             self._budget[slot] = sequence.max_tokens
@@ -440,24 +453,43 @@ class Engine:
         # The prefill ran before the step on the device: its tokens (in admission order) come first.
         if iteration.prefill is not None:
             launch, slots, occupants = iteration.prefill
-            self._take(slots, occupants, launch.array())
+            self._take(slots, occupants, launch.array(), launch.logprobs())
         if iteration.step is not None:
             launch, slots, occupants = iteration.step
-            self._take(slots, occupants, launch.array()[slots])  # the step's tokens are by slot
+            logprobs = launch.logprobs()  # like the tokens, by slot
+            if logprobs is not None:
+                logprobs = (logprobs[0][slots], logprobs[1][slots])
+            self._take(slots, occupants, launch.array()[slots], logprobs)
 
-    def _take(self, slots: np.ndarray, occupants: np.ndarray, tokens: np.ndarray) -> None:
+    def _take(
+        self,
+        slots: np.ndarray,
+        occupants: np.ndarray,
+        tokens: np.ndarray,
+        logprobs: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         """Take in one token for each of `slots`, launched while `occupants` held them; a slot whose
-        sequence ended (or was cancelled) since then drops its token."""
+        sequence ended (or was cancelled) since then drops its token. `logprobs`: the rows' values and
+        top ids (Launch.logprobs), when the launch computed them."""
         kept = self._occupant[slots] == occupants
         if not kept.all():
             slots, tokens = slots[kept], tokens[kept]
+            if logprobs is not None:
+                logprobs = (logprobs[0][kept], logprobs[1][kept])
         quiet = self._quiet[slots]
         if quiet.any():
             self._take_quiet(slots[quiet], tokens[quiet])
-        if not quiet.all():
-            loud = ~quiet
-            for slot, token in zip(slots[loud].tolist(), tokens[loud].tolist(), strict=True):
-                self._append(self._slots[slot], token)
+        if quiet.all():
+            return
+        loud = np.flatnonzero(~quiet)
+        for row, slot, token in zip(loud.tolist(), slots[loud].tolist(), tokens[loud].tolist(), strict=True):
+            sequence = self._slots[slot]
+            if sequence.token_logprobs is not None:
+                values, ids = logprobs[0][row], logprobs[1][row]
+                top = sequence.params.logprobs
+                alternatives = tuple(zip(ids[:top].tolist(), values[1 : 1 + top].tolist(), strict=True))
+                sequence.token_logprobs.append((float(values[0]), alternatives))
+            self._append(sequence, token)
 
     def _take_quiet(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """Quiet sequences' tokens, a step's at once: into the token table, and the finished ones out."""
@@ -503,14 +535,14 @@ class Engine:
             if last:
                 self._finish(sequence, reason, [token], "")
             else:
-                self._emit(sequence, Event(sequence.request_id, [token], "", seed=sequence.params.sampling.seed))
+                self._emit(sequence, self._event(sequence, [token], ""))
             return
         emitted = sequence.output.add(token, last)
         if emitted is None:
             return
         tokens, text, reason = emitted
         if reason is None:
-            self._emit(sequence, Event(sequence.request_id, tokens, text, seed=sequence.params.sampling.seed))
+            self._emit(sequence, self._event(sequence, tokens, text))
         else:  # a stop string may end it before the scheduler would
             self._finish(sequence, reason, tokens, text)
 
@@ -527,19 +559,21 @@ class Engine:
             if sequence.on_event is None:
                 return
             token_ids = []  # the sink has the tokens; on_event hears only of the end
-        self._emit(
-            sequence,
-            Event(
-                sequence.request_id,
-                token_ids,
-                text,
-                finish_reason=reason,
-                prompt_tokens=len(sequence.prompt),
-                completion_tokens=len(sequence.generated),
-                seed=sequence.params.sampling.seed,
-                error=error,
-            ),
-        )
+        event = self._event(sequence, token_ids, text)
+        event.finish_reason, event.error = reason, error
+        event.prompt_tokens, event.completion_tokens = len(sequence.prompt), len(sequence.generated)
+        self._emit(sequence, event)
+
+    @staticmethod
+    def _event(sequence: _Sequence, token_ids: list[int], text: str) -> Event:
+        """An event carrying `token_ids` (the next ones the consumer has not had), with their
+        log-probabilities when the request asked for them."""
+        logprobs = None
+        if sequence.token_logprobs is not None:
+            start = sequence.logprobs_sent
+            logprobs = sequence.token_logprobs[start : start + len(token_ids)]
+            sequence.logprobs_sent = start + len(token_ids)
+        return Event(sequence.request_id, token_ids, text, seed=sequence.params.sampling.seed, logprobs=logprobs)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._wakeup:

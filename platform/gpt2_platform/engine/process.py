@@ -342,6 +342,7 @@ def _pack(request_id: int, event: Event) -> tuple:
         event.completion_tokens,
         event.seed,
         event.error,
+        event.logprobs,
     )
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 # Re-exported: the engine and its process import the config from here.
-from gpt2_platform.engine.config import EngineConfig  # noqa: F401
+from gpt2_platform.engine.config import MAX_LOGPROBS, EngineConfig  # noqa: F401
 from gpt2_platform.engine.sampling import SamplingParams
 
 
@@ -23,6 +23,10 @@ class GenerationParams:
     ignore_eos: bool = False
     """Keep generating past the end-of-text token."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: int | None = None
+    """None: no log-probabilities. 0 to MAX_LOGPROBS: each generated token's log-probability, with that
+    many of the most likely tokens at its position and theirs, under the raw logits (before temperature,
+    top-k and top-p)."""
 
 
 @dataclass(slots=True)  # one per token per sequence: slots make them cheaper to build and read
@@ -37,11 +41,15 @@ class Event:
     completion_tokens: int = 0
     seed: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+"""A generated token's log-probability, and the most likely tokens at its position as (id, log-probability)."""
 
 Deliver = Callable[[list[tuple[Callable[[Event], None], Event]]], None]
 """What `deliver_in_batches` takes: a function given one engine step's events as (on_event, event) pairs."""
@@ -77,6 +85,7 @@ class Completion:
     completion_tokens: int
     seed: int
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
 
 
 class EngineDeadError(RuntimeError):
@@ -98,3 +107,9 @@ def validate_request(prompt_ids: list[int], params: GenerationParams, max_seq_le
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:  # min/max: C loops, not one Python step a token
         raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab_size})")
     params.sampling.validate()
+    if params.logprobs is not None and (
+        isinstance(params.logprobs, bool)
+        or not isinstance(params.logprobs, int)
+        or not 0 <= params.logprobs <= MAX_LOGPROBS
+    ):
+        raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {params.logprobs!r}")

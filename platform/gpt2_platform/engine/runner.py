@@ -18,7 +18,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpt2_platform.engine import kernels
 from gpt2_platform.engine.cache import KVCache
-from gpt2_platform.engine.sampling import sample
+from gpt2_platform.engine.config import MAX_LOGPROBS
+from gpt2_platform.engine.sampling import sample, token_logprobs
 from gpt2_platform.model import GPT2
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 SAMPLING_MODES = ("greedy", "plain", "filtered")
 """The decode graphs per shape: argmax only, sampling without top-k/top-p, and with them (see `_mode`)."""
+WITH_LOGPROBS = "+logprobs"
+"""Appended to a mode when a row of the step asks for log-probabilities: a graph of its own, captured on
+first use, so steps that nobody asks them of run exactly as before."""
 # A staged prompt row: these columns, then the prompt's tokens. Floats travel as their float64 bits, so
 # one int64 copy carries a prefill's whole input, sampling parameters included.
 _SLOT, _LAST, _TEMPERATURE, _TOP_K, _TOP_P, _SEED, PROMPT_HEADER = range(7)
@@ -128,11 +132,15 @@ class ModelRunner:
         self.host_staged = [torch.zeros(4, state, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.host_staged_rows = [host.numpy() for host in self.host_staged]  # the same memory, written as arrays
         self.host_out = [torch.zeros(num_slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        # Log-probabilities come back beside the tokens, for steps (and prefills) that computed them.
+        self.host_logprobs = [self._logprob_buffers(num_slots, pinned) for _ in range(2)]
+        self.host_prefill_logprobs = [self._logprob_buffers(num_slots, pinned) for _ in range(2)]
         self.launches = 0
         # Host copies of what decides the sampling mode of a step (see `_mode`), and of every slot's sampling
         # parameters: a prefill carries its slots' to the device in its own staged copy (`start_prefill`).
         self.greedy = [True] * num_slots
         self.limited = [False] * num_slots  # top-k or top-p set
+        self.logprobs = [False] * num_slots  # log-probabilities asked for
         self.sampling: list[tuple[float, int, float, int]] = [(0.0, 0, 1.0, 0)] * num_slots
         self._unsent_sampling: set[int] = set()  # set on the host, not yet on the device
         self.temperature = torch.zeros(state, dtype=torch.float32, device=device)
@@ -184,14 +192,23 @@ class ModelRunner:
                 self.forward = torch.compile(self._forward, dynamic=True)
             self.pick = torch.compile(self._pick, dynamic=True)
 
-    def set_sampling(self, slot: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
-        """A new sequence's sampling parameters, kept on the device for every later step.
+    @staticmethod
+    def _logprob_buffers(rows: int, pinned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        values = torch.zeros(rows, 1 + MAX_LOGPROBS, dtype=torch.float32, pin_memory=pinned)
+        return values, torch.zeros(rows, MAX_LOGPROBS, dtype=torch.long, pin_memory=pinned)
+
+    def set_sampling(
+        self, slot: int, temperature: float, top_k: int, top_p: float, seed: int, logprobs: bool = False
+    ) -> None:
+        """A new sequence's sampling parameters, kept on the device for every later step; `logprobs`: its
+        steps compute log-probabilities.
 
         Held on the host until the slot's prefill, which carries them in its staged copy: four tensor
         writes per new sequence cost the engine's thread more than the rest of its admission.
         """
         self.greedy[slot] = temperature <= 0
         self.limited[slot] = top_k > 0 or top_p < 1.0
+        self.logprobs[slot] = logprobs
         self.sampling[slot] = (float(temperature), int(top_k), float(top_p), int(seed))
         self._unsent_sampling.add(slot)
 
@@ -227,7 +244,9 @@ class ModelRunner:
         # Pad to a power-of-two width: few shapes, each warmed before serving (a new
         # attention shape costs hundreds of ms of kernel planning on its first use).
         width = bucket_for(longest, self.prefill_buckets)
-        mode = self._mode_of([self.greedy[s] for s in slots], [self.limited[s] for s in slots])
+        mode = self._mode_of(
+            [self.greedy[s] for s in slots], [self.limited[s] for s in slots], [self.logprobs[s] for s in slots]
+        )
         bucket = bucket_for(batch, self.prefill_batch_buckets) if batch <= self.graphed_prefill_max else batch
         graphed = self._graphed_prefill(bucket, width)
         rows_in = bucket if graphed else batch  # a graph's batch takes padding rows
@@ -253,7 +272,7 @@ class ModelRunner:
             graph.replay()
         else:
             out = self._prefill(self.staged_prompts[:batch, : PROMPT_HEADER + width], width, mode)
-        launch = self._hand_back(out, self.host_firsts[buffer], batch)
+        launch = self._hand_back(out, self.host_firsts[buffer], batch, self.host_prefill_logprobs[buffer])
         self._prefill_done[buffer] = launch.done
         return launch
 
@@ -276,7 +295,8 @@ class ModelRunner:
         logits = self._logits(hidden)
         # The same choice of pick as a decode step's (`_mode`): for greedy rows only, the argmax without
         # sample's float64 sort and noise over the whole vocabulary.
-        if mode == "greedy":
+        base, with_logprobs = self._split_mode(mode)
+        if base == "greedy":
             first = torch.argmax(logits.float(), dim=-1)
         else:
             first = sample(
@@ -286,11 +306,13 @@ class ModelRunner:
                 self.top_p[slots],
                 self.seed[slots],
                 torch.zeros_like(slots),
-                filtered=mode == "filtered",
+                filtered=base == "filtered",
             )
         self.tokens[slots] = first
         self.positions[slots] = torch.clamp(last + 1, max=self.max_seq_len - 1)
         self.steps.index_fill_(0, slots, 1)  # a Python scalar here would be a host copy, refused in a capture
+        if with_logprobs:
+            return (first, *token_logprobs(logits, first, MAX_LOGPROBS))
         return first
 
     def _graphed_prefill(self, batch: int, width: int) -> bool:
@@ -317,13 +339,17 @@ class ModelRunner:
 
     def _mode(self, active: int) -> str:
         """greedy (argmax only), plain (no top-k/top-p: no sort), or filtered; one graph each."""
-        return self._mode_of(self.greedy[:active], self.limited[:active])
+        return self._mode_of(self.greedy[:active], self.limited[:active], self.logprobs[:active])
 
     @staticmethod
-    def _mode_of(greedy: list[bool], limited: list[bool]) -> str:
-        if all(greedy):
-            return "greedy"
-        return "filtered" if any(limited) else "plain"
+    def _mode_of(greedy: list[bool], limited: list[bool], logprobs: list[bool]) -> str:
+        base = "greedy" if all(greedy) else "filtered" if any(limited) else "plain"
+        return base + WITH_LOGPROBS if any(logprobs) else base
+
+    @staticmethod
+    def _split_mode(mode: str) -> tuple[str, bool]:
+        """A mode's sampling part, and whether its step computes log-probabilities."""
+        return mode.removesuffix(WITH_LOGPROBS), mode.endswith(WITH_LOGPROBS)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, self.head)[..., : self.vocab_limit]
@@ -357,7 +383,8 @@ class ModelRunner:
     def _pick(self, logits: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor, mode: str) -> torch.Tensor:
         """Each row's next token, left with its position + 1 and step + 1 as the next step's inputs."""
         batch = logits.shape[0]
-        if mode == "greedy":
+        base, with_logprobs = self._split_mode(mode)
+        if base == "greedy":
             # The same argmax `sample` takes for temperature-0 rows, without its sort and noise.
             out = argmax_in_blocks(logits) if logits.is_cuda and batch <= 16 else torch.argmax(logits.float(), dim=-1)
         else:
@@ -368,13 +395,15 @@ class ModelRunner:
                 self.top_p[:batch],
                 self.seed[:batch],
                 steps,
-                filtered=mode == "filtered",
+                filtered=base == "filtered",
             )
         # A row whose sequence ended runs once more before the host knows; clamping keeps its
         # cache write inside the cache.
         self.tokens[:batch] = out
         self.positions[:batch] = torch.clamp(positions + 1, max=self.max_seq_len - 1)
         self.steps[:batch] = steps + 1
+        if with_logprobs:
+            return (out, *token_logprobs(logits, out, MAX_LOGPROBS))
         return out
 
     @torch.inference_mode()
@@ -410,16 +439,29 @@ class ModelRunner:
             graph.replay()
         else:
             out = self._decode_step(batch, span, mode)
-        return self._hand_back(out, self.host_out[buffer], active)
+        return self._hand_back(out, self.host_out[buffer], active, self.host_logprobs[buffer])
 
-    def _hand_back(self, out: torch.Tensor, host: torch.Tensor, count: int) -> Launch:
-        """`out[:count]` on its way to the pinned `host` without waiting; the Launch that waits for it."""
+    def _hand_back(
+        self,
+        out: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        host: torch.Tensor,
+        count: int,
+        host_logprobs: tuple[torch.Tensor, torch.Tensor],
+    ) -> Launch:
+        """`out[:count]` (tokens, or tokens with their log-probabilities and top ids) on its way to the
+        pinned host buffers without waiting; the Launch that waits for it."""
+        logprobs = None
+        if isinstance(out, tuple):
+            out, values, ids = out
+            logprobs = host_logprobs
+            logprobs[0][:count].copy_(values[:count], non_blocking=True)
+            logprobs[1][:count].copy_(ids[:count], non_blocking=True)
         host[:count].copy_(out[:count], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return Launch(host, count, done)
+        return Launch(host, count, done, logprobs)
 
     def decode(self, tokens: list[int], positions: list[int], steps: list[int]) -> list[int]:
         """The next token for slots 0..len(tokens)-1, every row fed by the host, waiting for the result."""
@@ -511,8 +553,14 @@ class ModelRunner:
 class Launch:
     """A decode step started by `ModelRunner.launch`; its tokens once the device has them."""
 
-    def __init__(self, result: torch.Tensor, active: int, done: torch.cuda.Event | None) -> None:
-        self.result, self.active, self.done = result, active, done
+    def __init__(
+        self,
+        result: torch.Tensor,
+        active: int,
+        done: torch.cuda.Event | None,
+        logprobs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        self.result, self.active, self.done, self._logprobs = result, active, done, logprobs
 
     def tokens(self) -> list[int]:
         if self.done is not None:
@@ -524,3 +572,11 @@ class Launch:
         if self.done is not None:
             self.done.synchronize()
         return self.result[: self.active].numpy().copy()
+
+    def logprobs(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """After `array()` or `tokens()`: (active, 1 + MAX_LOGPROBS) log-probabilities (the token's, then
+        the top ones') and (active, MAX_LOGPROBS) the top ids, when the launch computed them."""
+        if self._logprobs is None:
+            return None
+        values, ids = self._logprobs
+        return values[: self.active].numpy().copy(), ids[: self.active].numpy().copy()

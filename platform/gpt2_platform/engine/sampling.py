@@ -108,6 +108,20 @@ def sample(
     return torch.where(greedy, greedy_ids, sampled_ids)
 
 
+def token_logprobs(logits: Tensor, chosen: Tensor, top: int) -> tuple[Tensor, Tensor]:
+    """Log-probabilities under the raw logits (B, V), before any temperature, top-k or top-p.
+
+    Returns (B, 1 + top) float32: the chosen token's (B,) log-probability, then the `top` most likely
+    tokens'; and (B, top) int64: those tokens' ids, most likely first. No host synchronisation: it runs
+    inside a captured graph.
+    """
+    logits = logits.float()
+    total = torch.logsumexp(logits, dim=-1, keepdim=True)  # (B, 1)
+    chosen_logprob = logits.gather(-1, chosen[:, None]) - total  # (B, 1)
+    values, ids = torch.topk(logits, top, dim=-1)  # (B, top)
+    return torch.cat([chosen_logprob, values - total], dim=-1), ids
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens; validated on creation."""
