@@ -445,3 +445,51 @@ def test_logprobs_of_generated_tokens_are_transformers_log_softmax(model, tokeni
 def test_logprobs_out_of_range_are_refused(engine, logprobs):
     with pytest.raises(ValueError, match="logprobs must be an integer in"):
         engine.generate([[1, 2]], GenerationParams(max_tokens=2, logprobs=logprobs))
+
+
+def test_an_echoed_prompt_is_scored_with_transformers_log_softmax_alone_or_before_generating(
+    model, tokenizer, tmp_path
+):
+    # echo + logprobs: every prompt token's log-probability (the first has none), as lm-evaluation-harness
+    # asks with max_tokens 0 to score a continuation; with max_tokens > 0 the generation follows as usual.
+    from transformers import GPT2LMHeadModel
+
+    checkpoint.save_pretrained(model, tmp_path / "model")
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "model").eval()
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=4, max_seq_len=128, dtype="fp32")).start()
+    prompts = [tokenizer(text)["input_ids"] for text in ("alice has 3 apples.", "b", "the quick brown fox jumps over")]
+    try:
+        scored = engine.generate(prompts, GenerationParams(max_tokens=0, logprobs=3, echo=True))
+        # One echo request admitted beside a plain one: the plain one is unchanged.
+        both = engine.generate(
+            prompts[:2],
+            [GenerationParams(max_tokens=6, ignore_eos=True, logprobs=1, echo=True, sampling=SamplingParams(temperature=0)),
+             greedy(6)],
+        )  # fmt: skip
+        alone = engine.generate(prompts[1:2], greedy(6))[0]
+    finally:
+        engine.shutdown()
+    for prompt, completion in zip(prompts, scored, strict=True):
+        assert completion.token_ids == [] and completion.completion_tokens == 0 and completion.text == ""
+        assert completion.finish_reason == "length" and completion.prompt_tokens == len(prompt)
+        assert len(completion.prompt_logprobs) == len(prompt) and completion.prompt_logprobs[0] is None
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), dim=-1)
+        for position, (token, entry) in enumerate(zip(prompt[1:], completion.prompt_logprobs[1:], strict=True)):
+            logprob, alternatives = entry
+            assert abs(logprob - expected[position, token].item()) < 1e-4
+            top = torch.topk(expected[position], 3)
+            assert [i for i, _ in alternatives] == top.indices.tolist()
+            assert all(abs(lp - v) < 1e-4 for (_, lp), v in zip(alternatives, top.values.tolist(), strict=True))
+    echoed, plain = both
+    assert [e[0] for e in echoed.prompt_logprobs[1:]] == pytest.approx([e[0] for e in scored[0].prompt_logprobs[1:]])
+    assert len(echoed.token_ids) == len(echoed.logprobs) == 6 and echoed.logprobs[0][1][0][0] == echoed.token_ids[0]
+    assert plain.prompt_logprobs is None and plain.logprobs is None
+    assert (plain.token_ids, plain.text) == (alone.token_ids, alone.text)
+
+
+def test_max_tokens_0_needs_echo_and_an_echoed_prompt_must_fit_the_context(engine):
+    with pytest.raises(ValueError, match=r"max_tokens must be >= 1 \(0 only with echo\)"):
+        engine.generate([[1, 2]], GenerationParams(max_tokens=0, logprobs=1))
+    with pytest.raises(ValueError, match="over the context of 128"):
+        engine.generate([[1] * 129], GenerationParams(max_tokens=0, logprobs=1, echo=True))

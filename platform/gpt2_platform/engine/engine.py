@@ -66,6 +66,9 @@ class _Sequence:
     # With params.logprobs: each generated token's, as taken in, and how many events have carried so far.
     token_logprobs: list[TokenLogprob] | None = None
     logprobs_sent: int = 0
+    # With params.echo and logprobs: the prompt's, once its prefill is taken in; sent with the first event.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
     submitted_at: float = 0.0  # time.perf_counter(), for stats()
     admitted_at: float = 0.0
 
@@ -226,13 +229,20 @@ class Engine:
         """
         self.check_health()
         params = GenerationParams(
-            params.max_tokens, tuple(params.stop), params.ignore_eos, params.sampling.resolved(), params.logprobs
+            params.max_tokens,
+            tuple(params.stop),
+            params.ignore_eos,
+            params.sampling.resolved(),
+            params.logprobs,
+            params.echo,
         )
         self.validate(prompt_ids, params)
         assert on_event is not None or sink is not None, "a sequence needs an on_event or a sink"
         if sink is not None and params.logprobs is not None:
             raise ValueError("logprobs are not carried through a token sink; submit with on_event")
-        quiet = final_only and not tokens_only and sink is None and not params.stop and params.logprobs is None
+        quiet = (
+            final_only and not tokens_only and sink is None and not params.stop and params.logprobs is None
+        ) and not params.echo
         output = None
         if not tokens_only and sink is None and not quiet:
             output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
@@ -298,6 +308,7 @@ class Engine:
         last = events[-1]
         asked = any(e.logprobs is not None for e in events)
         return Completion(
+            prompt_logprobs=next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None),
             logprobs=[lp for e in events for lp in e.logprobs or ()] if asked else None,
             token_ids=[t for e in events for t in e.token_ids],
             text="".join(e.text for e in events),
@@ -425,7 +436,10 @@ class Engine:
             self.queue_s += now - sequence.submitted_at
             sequence.admitted_at = now
         slots = np.array([s.slot for s in admitted], np.int64)
-        prefill = self.runner.start_prefill([s.prompt for s in admitted], slots.tolist())
+        # One prompt asking for its log-probabilities makes the whole group's prefill the eager one that
+        # computes them (the others' are not kept): echo requests are rare, and one prefill a step is simpler.
+        echo = any(s.params.echo and s.token_logprobs is not None for s in admitted)
+        prefill = self.runner.start_prefill([s.prompt for s in admitted], slots.tolist(), echo=echo)
         self.num_prefills += 1
         self.num_prompt_tokens += sum(len(s.prompt) for s in admitted)
         return prefill, slots, self._occupant[slots]
@@ -453,7 +467,7 @@ class Engine:
         # The prefill ran before the step on the device: its tokens (in admission order) come first.
         if iteration.prefill is not None:
             launch, slots, occupants = iteration.prefill
-            self._take(slots, occupants, launch.array(), launch.logprobs())
+            self._take(slots, occupants, launch.array(), launch.logprobs(), launch.prompt_logprobs)
         if iteration.step is not None:
             launch, slots, occupants = iteration.step
             logprobs = launch.logprobs()  # like the tokens, by slot
@@ -467,15 +481,18 @@ class Engine:
         occupants: np.ndarray,
         tokens: np.ndarray,
         logprobs: tuple[np.ndarray, np.ndarray] | None = None,
+        prompt_logprobs: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """Take in one token for each of `slots`, launched while `occupants` held them; a slot whose
         sequence ended (or was cancelled) since then drops its token. `logprobs`: the rows' values and
-        top ids (Launch.logprobs), when the launch computed them."""
+        top ids (Launch.logprobs), when the launch computed them; `prompt_logprobs`: an echo prefill's."""
         kept = self._occupant[slots] == occupants
         if not kept.all():
             slots, tokens = slots[kept], tokens[kept]
             if logprobs is not None:
                 logprobs = (logprobs[0][kept], logprobs[1][kept])
+            if prompt_logprobs is not None:
+                prompt_logprobs = (prompt_logprobs[0][kept], prompt_logprobs[1][kept])
         quiet = self._quiet[slots]
         if quiet.any():
             self._take_quiet(slots[quiet], tokens[quiet])
@@ -484,9 +501,21 @@ class Engine:
         loud = np.flatnonzero(~quiet)
         for row, slot, token in zip(loud.tolist(), slots[loud].tolist(), tokens[loud].tolist(), strict=True):
             sequence = self._slots[slot]
+            top = sequence.params.logprobs
+            if prompt_logprobs is not None and sequence.params.echo and top is not None:
+                count = len(sequence.prompt) - 1
+                values, ids = prompt_logprobs[0][row, :count], prompt_logprobs[1][row, :count, :top]
+                sequence.prompt_logprobs = [None] + [
+                    (lp, tuple(zip(top_ids, top_lps, strict=True)))
+                    for lp, top_ids, top_lps in zip(
+                        values[:, 0].tolist(), ids.tolist(), values[:, 1 : 1 + top].tolist(), strict=True
+                    )
+                ]
+            if sequence.max_tokens == 0:  # scoring only: the prefill's token is not wanted
+                self._finish(sequence, "length", [], "")
+                continue
             if sequence.token_logprobs is not None:
                 values, ids = logprobs[0][row], logprobs[1][row]
-                top = sequence.params.logprobs
                 alternatives = tuple(zip(ids[:top].tolist(), values[1 : 1 + top].tolist(), strict=True))
                 sequence.token_logprobs.append((float(values[0]), alternatives))
             self._append(sequence, token)
@@ -573,7 +602,10 @@ class Engine:
             start = sequence.logprobs_sent
             logprobs = sequence.token_logprobs[start : start + len(token_ids)]
             sequence.logprobs_sent = start + len(token_ids)
-        return Event(sequence.request_id, token_ids, text, seed=sequence.params.sampling.seed, logprobs=logprobs)
+        event = Event(sequence.request_id, token_ids, text, seed=sequence.params.sampling.seed, logprobs=logprobs)
+        if sequence.prompt_logprobs is not None and not sequence.prompt_logprobs_sent:
+            event.prompt_logprobs, sequence.prompt_logprobs_sent = sequence.prompt_logprobs, True
+        return event
 
     def _fail_all(self, error: BaseException) -> None:
         with self._wakeup:

@@ -343,6 +343,7 @@ def _pack(request_id: int, event: Event) -> tuple:
         event.seed,
         event.error,
         event.logprobs,
+        event.prompt_logprobs,
     )
 
 

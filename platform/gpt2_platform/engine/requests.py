@@ -27,6 +27,9 @@ class GenerationParams:
     """None: no log-probabilities. 0 to MAX_LOGPROBS: each generated token's log-probability, with that
     many of the most likely tokens at its position and theirs, under the raw logits (before temperature,
     top-k and top-p)."""
+    echo: bool = False
+    """With logprobs: the prompt's tokens' log-probabilities too (the first token has none). Allows
+    max_tokens 0: score the prompt, generate nothing."""
 
 
 @dataclass(slots=True)  # one per token per sequence: slots make them cheaper to build and read
@@ -42,6 +45,7 @@ class Event:
     seed: int = 0
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with echo: one per prompt token, the first None
 
     @property
     def finished(self) -> bool:
@@ -86,6 +90,7 @@ class Completion:
     seed: int
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with echo and logprobs: one per prompt token
 
 
 class EngineDeadError(RuntimeError):
@@ -96,8 +101,8 @@ def validate_request(prompt_ids: list[int], params: GenerationParams, max_seq_le
     """Raise ValueError for a request an engine of this context and vocabulary cannot take, naming what is wrong."""
     if not prompt_ids:
         raise ValueError("prompt is empty; send at least one token of text")
-    if params.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    if params.max_tokens < (0 if params.echo else 1):
+        raise ValueError(f"max_tokens must be >= 1 (0 only with echo), got {params.max_tokens}")
     total = len(prompt_ids) + params.max_tokens
     if total > max_seq_len:
         raise ValueError(

@@ -227,12 +227,15 @@ class ModelRunner:
         return self.start_prefill(prompts, slots).tokens()
 
     @torch.inference_mode()
-    def start_prefill(self, prompts: list[list[int]], slots: list[int]) -> Launch:
+    def start_prefill(self, prompts: list[list[int]], slots: list[int], echo: bool = False) -> Launch:
         """Start new prompts (each from position 0) into their slots, with the sampling parameters set for them.
 
         Nothing waits on the host: the first tokens come with `Launch.tokens()`. Each slot is left on the
         device as a decode step expects it (its first token, the position after the prompt, step 1), so
         the next decode step can go on from there before the host has seen the first token.
+
+        `echo`: also the log-probabilities of every prompt token after the first (`Launch.prompt_logprobs`),
+        from an eager prefill that keeps every position's hidden state; this waits for the device once.
         """
         batch = len(prompts)
         buffer = self.prefills % 2
@@ -248,7 +251,7 @@ class ModelRunner:
             [self.greedy[s] for s in slots], [self.limited[s] for s in slots], [self.logprobs[s] for s in slots]
         )
         bucket = bucket_for(batch, self.prefill_batch_buckets) if batch <= self.graphed_prefill_max else batch
-        graphed = self._graphed_prefill(bucket, width)
+        graphed = self._graphed_prefill(bucket, width) and not echo
         rows_in = bucket if graphed else batch  # a graph's batch takes padding rows
         host = self.host_prompts[buffer]
         rows = host.numpy()
@@ -271,16 +274,24 @@ class ModelRunner:
             graph, out = self.prefill_graphs.get((rows_in, width, mode)) or self._capture_prefill(rows_in, width, mode)
             graph.replay()
         else:
-            out = self._prefill(self.staged_prompts[:batch, : PROMPT_HEADER + width], width, mode)
+            out = self._prefill(self.staged_prompts[:batch, : PROMPT_HEADER + width], width, mode, echo)
+        prompt_logprobs = None
+        if echo:
+            out, prompt_logprobs = out
         launch = self._hand_back(out, self.host_firsts[buffer], batch, self.host_prefill_logprobs[buffer])
+        if prompt_logprobs is not None:
+            values, ids = prompt_logprobs
+            launch.prompt_logprobs = (values.cpu().numpy(), ids.cpu().numpy())
         self._prefill_done[buffer] = launch.done
         return launch
 
-    def _prefill(self, rows: torch.Tensor, width: int, mode: str) -> torch.Tensor:
+    def _prefill(self, rows: torch.Tensor, width: int, mode: str, echo: bool = False):
         """Staged prompt rows `(B, PROMPT_HEADER + width)` into their slots; the first token of each.
 
         Sets each slot's sampling parameters from its row, and leaves the slot's first token, position
-        and step where the next decode step reads them.
+        and step where the next decode step reads them. With `echo`, returns (that, the prompt's
+        log-probabilities: `(B, width - 1, 1 + MAX_LOGPROBS)` values and `(B, width - 1, MAX_LOGPROBS)` top
+        ids, position t for token t + 1; a row's columns past its own prompt are padding).
         """
         slots, last = rows[:, _SLOT], rows[:, _LAST]
         self.temperature[slots] = rows[:, _TEMPERATURE].view(torch.float64).float()
@@ -291,7 +302,11 @@ class ModelRunner:
         positions = self.prompt_positions[:, :width].expand(rows.shape[0], width)
         view = self.cache.prefill(slots, positions)
         with self._prefill_attention():
-            hidden = self.model.hidden(tokens, positions=positions, cache=view, hidden_at=last)  # (B, C)
+            hidden = self.model.hidden(tokens, positions=positions, cache=view, hidden_at=None if echo else last)
+        prompt_logprobs = None
+        if echo:  # (B, T, C): every position's, for the prompt's own log-probabilities
+            prompt_logprobs = self._prompt_logprobs(hidden, tokens)
+            hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, C)
         logits = self._logits(hidden)
         # The same choice of pick as a decode step's (`_mode`): for greedy rows only, the argmax without
         # sample's float64 sort and noise over the whole vocabulary.
@@ -311,9 +326,16 @@ class ModelRunner:
         self.tokens[slots] = first
         self.positions[slots] = torch.clamp(last + 1, max=self.max_seq_len - 1)
         self.steps.index_fill_(0, slots, 1)  # a Python scalar here would be a host copy, refused in a capture
-        if with_logprobs:
-            return (first, *token_logprobs(logits, first, MAX_LOGPROBS))
-        return first
+        out = (first, *token_logprobs(logits, first, MAX_LOGPROBS)) if with_logprobs else first
+        return out if prompt_logprobs is None else (out, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities of tokens[:, 1:] from hidden[:, :-1] `(B, T, C)`, with the top ones; one row at a
+        time, so the logits held at once are one prompt's `(T, V)`."""
+        rows = [
+            token_logprobs(self._logits(hidden[b, :-1]), tokens[b, 1:], MAX_LOGPROBS) for b in range(hidden.shape[0])
+        ]
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
     def _graphed_prefill(self, batch: int, width: int) -> bool:
         """Whether a prefill of `batch` rows (a batch bucket) at `width` replays a graph."""
@@ -561,6 +583,8 @@ class Launch:
         logprobs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.result, self.active, self.done, self._logprobs = result, active, done, logprobs
+        # An echo prefill's: (B, T - 1, 1 + MAX_LOGPROBS) values and (B, T - 1, MAX_LOGPROBS) ids, on the host.
+        self.prompt_logprobs: tuple[np.ndarray, np.ndarray] | None = None
 
     def tokens(self) -> list[int]:
         if self.done is not None:
