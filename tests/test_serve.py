@@ -346,8 +346,11 @@ BAD_COMPLETIONS = [
     ({"prompt": ["a", "b", "c", "d", "e"]}, 400, "prompt"),
     ({"prompt": "x", "stop": ["a", "b", "c"]}, 400, "stop"),
     ({"prompt": "x", "stop": ""}, 400, "stop"),
-    ({"prompt": "x", "logprobs": 1}, 400, "logprobs"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "logprobs": 6}, 400, "logprobs"),  # OpenAI's most is 5
+    ({"prompt": "x", "logprobs": -1}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 1.5}, 400, "logprobs"),
+    ({"prompt": "x", "echo": "yes"}, 400, "echo"),
+    ({"prompt": [65] * 257, "echo": True, "max_tokens": 0, "logprobs": 0}, 400, "max_tokens"),  # over the context
     ({"prompt": "x", "best_of": 3}, 400, "best_of"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
@@ -477,6 +480,60 @@ def test_the_openai_client_lists_retrieves_completes_and_streams(base_url):
         client.completions.create(model=MODEL_NAME, prompt="x" * 19_000)
     with pytest.raises(openai.NotFoundError, match="chat template"):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_echo_and_logprobs_score_a_prompt_and_a_greedy_completion_as_transformers_does(base_url, model_dir):
+    # What lm-evaluation-harness's local-completions asks to score a continuation: echo, max_tokens 0,
+    # logprobs; and generated tokens' logprobs, streamed and not. All against transformers' log_softmax.
+    openai = pytest.importorskip("openai")
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    tokenizer = byte_tokenizer()
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+    def expected_logprobs(tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].double(), dim=-1)
+
+    prompt = "alice has 3 apples."
+    scored = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=3)
+    (choice,) = scored.choices
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert "".join(logprobs.tokens) == prompt and logprobs.text_offset == list(range(len(prompt)))
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = expected_logprobs(list(prompt.encode()))  # the byte tokenizer: a token per ASCII character
+    for position, (token, logprob, top) in enumerate(
+        zip(prompt.encode()[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True)
+    ):
+        assert abs(logprob - expected[position, token].item()) < 1e-4
+        best = torch.topk(expected[position], 3)
+        # Keys are the tokens' text as the server's tokenizer decodes each alone.
+        wanted = {tokenizer.decode([i]): v for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)}
+        assert top.keys() == wanted.keys() and list(top.values()) == pytest.approx(list(wanted.values()), abs=1e-4)
+
+    request = {"model": MODEL_NAME, "prompt": "bob has", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    generated = client.completions.create(**request).choices[0]
+    streamed = [c.choices[0] for c in client.completions.create(**request, stream=True) if c.choices]
+    lp = generated.logprobs
+    assert "".join(lp.tokens) == generated.text and len(lp.tokens) == 6
+    assert lp.text_offset == [len("bob has") + i for i in range(6)]  # counted from the prompt's end
+    full = list(b"bob has") + list(generated.text.encode())
+    expected = expected_logprobs(full)[len("bob has") - 1 : -1]
+    tokens = generated.text.encode()
+    for position, (token, logprob, top) in enumerate(zip(tokens, lp.token_logprobs, lp.top_logprobs, strict=True)):
+        assert abs(logprob - expected[position, token].item()) < 1e-4
+        assert next(iter(top)) == chr(token)  # greedy: the chosen token is the most likely
+    chunks = [c.logprobs for c in streamed if c.logprobs is not None and c.logprobs.tokens]
+    assert sum((c.tokens for c in chunks), []) == lp.tokens
+    assert sum((c.token_logprobs for c in chunks), []) == pytest.approx(lp.token_logprobs, abs=1e-6)
+    assert sum((c.text_offset for c in chunks), []) == lp.text_offset
+
+    # echo with generation, streamed: the prompt comes first, in the first chunk, with its logprobs.
+    echoed = [c.choices[0] for c in client.completions.create(**request, echo=True, stream=True) if c.choices]
+    assert echoed[0].text.startswith("bob has") and "".join(c.text for c in echoed) == "bob has" + generated.text
+    assert echoed[0].logprobs.token_logprobs[0] is None and echoed[0].logprobs.tokens[:7] == list("bob has")
 
 
 def _slow_client(port: int) -> socket.socket:

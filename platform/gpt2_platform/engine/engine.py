@@ -238,8 +238,6 @@ class Engine:
         )
         self.validate(prompt_ids, params)
         assert on_event is not None or sink is not None, "a sequence needs an on_event or a sink"
-        if sink is not None and params.logprobs is not None:
-            raise ValueError("logprobs are not carried through a token sink; submit with on_event")
         quiet = (
             final_only and not tokens_only and sink is None and not params.stop and params.logprobs is None
         ) and not params.echo
@@ -556,8 +554,11 @@ class Engine:
         if sink is not None:  # the hot path of a served sequence: one tuple per token
             if last:
                 self._finish(sequence, reason, [token], "")
-            else:
+            elif sequence.token_logprobs is None:
                 sink.pending.append((sequence.sink_key, token, None, None))
+                self._sinks.add(sink)
+            else:
+                sink.pending.append((sequence.sink_key, token, None, None, self._record_logprobs(sequence, True)))
                 self._sinks.add(sink)
             return
         if sequence.output is None:  # tokens only
@@ -583,7 +584,10 @@ class Engine:
             self._occupant[sequence.slot] = 0
         self.num_finished += 1
         if sequence.sink is not None:
-            sequence.sink.add((sequence.sink_key, token_ids[0] if token_ids else -1, reason, error))
+            record = (sequence.sink_key, token_ids[0] if token_ids else -1, reason, error)
+            if sequence.token_logprobs is not None:
+                record += (self._record_logprobs(sequence, bool(token_ids)),)
+            sequence.sink.add(record)
             self._sinks.add(sequence.sink)
             if sequence.on_event is None:
                 return
@@ -592,6 +596,14 @@ class Engine:
         event.finish_reason, event.error = reason, error
         event.prompt_tokens, event.completion_tokens = len(sequence.prompt), len(sequence.generated)
         self._emit(sequence, event)
+
+    @staticmethod
+    def _record_logprobs(sequence: _Sequence, with_token: bool) -> tuple:
+        """A sink record's log-probabilities: the token's (the last taken in) and, once, the prompt's."""
+        prompt = None
+        if sequence.prompt_logprobs is not None and not sequence.prompt_logprobs_sent:
+            prompt, sequence.prompt_logprobs_sent = sequence.prompt_logprobs, True
+        return (sequence.token_logprobs[-1] if with_token else None, prompt)
 
     @staticmethod
     def _event(sequence: _Sequence, token_ids: list[int], text: str) -> Event:

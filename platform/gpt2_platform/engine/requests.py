@@ -58,8 +58,10 @@ TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 Deliver = Callable[[list[tuple[Callable[[Event], None], Event]]], None]
 """What `deliver_in_batches` takes: a function given one engine step's events as (on_event, event) pairs."""
 
-TokenRecord = tuple[int, int, str | None, str | None]
-"""A sequence's output as a token sink takes it: (key, token or -1, finish reason or None, error or None)."""
+TokenRecord = tuple
+"""A sequence's output as a token sink takes it: (key, token or -1, finish reason or None, error or None), and
+for a sequence that asked for log-probabilities a fifth item, (the token's TokenLogprob or None, the prompt's
+log-probabilities with echo, sent once, or None)."""
 
 
 class TokenSink(Protocol):

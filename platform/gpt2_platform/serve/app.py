@@ -48,7 +48,7 @@ from gpt2_platform.serve.engine_client import RemoteEngine
 from gpt2_platform.serve.engine_deployment import GPT2Engine
 from gpt2_platform.serve.errors import APIError, bad_request
 from gpt2_platform.serve.metrics import ServeMetrics
-from gpt2_platform.serve.streams import Choices, Job, Update
+from gpt2_platform.serve.streams import Choices, Job, ShownPrompt, Update
 from gpt2_platform.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -246,9 +246,15 @@ class GPT2Server:
     async def _completions(self, request: Request) -> Response:
         body = await self._read_body(request, schemas.CompletionRequest)
         body.check(self.limits, self.model_name)
-        reserve = body.max_tokens or self.limits.default_max_tokens
+        reserve = self._max_tokens(body)
         prompts = [await self._encode(p, "prompt", reserve) if isinstance(p, str) else p for p in body.prompt_list()]
         jobs = [Job(prompt, self._completion_params(body, i)) for prompt in prompts for i in range(body.n)]
+        # Each choice's prompt as text (as given, or what its token ids spell): echo puts it before the
+        # completion, and logprobs count their text offsets from it.
+        shown = None
+        if body.echo or body.logprobs is not None:
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in body.prompt_list()]
+            shown = [ShownPrompt(texts[i // body.n], jobs[i].prompt, body.echo) for i in range(len(jobs))]
         for job in jobs:
             self._validate(job, length_param="max_tokens")
         await self._check_prompts(body.prompt_list())
@@ -257,9 +263,11 @@ class GPT2Server:
         prompt_tokens = sum(len(prompt) for prompt in prompts)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._stream(choices, request_id, created, prompt_tokens if include_usage else None)
+            events = self._stream(
+                choices, request_id, created, prompt_tokens if include_usage else None, body.logprobs, shown
+            )
             return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-        outputs, completion_tokens = await self._collect(choices, len(jobs))
+        outputs, completion_tokens = await self._collect(choices, len(jobs), body.logprobs, shown)
         usage = schemas.usage(prompt_tokens, completion_tokens)
         return JSONResponse(schemas.completion(request_id, created, self.model_name, outputs, usage))
 
@@ -348,16 +356,35 @@ class GPT2Server:
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def _max_tokens(self, body: schemas.CompletionRequest) -> int:
+        return self.limits.default_max_tokens if body.max_tokens is None else body.max_tokens
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _logprobs_body(
+        self, echo: ShownPrompt | None, logprobs: list[tuple[int, Any]], prompt_logprobs: list | None, offset: int
+    ) -> dict[str, list]:
+        """A choice's (or a chunk's) OpenAI logprobs object: the echoed prompt's tokens first, if given."""
+        tokens = [token for token, _ in logprobs]
+        entries = [entry for _, entry in logprobs]
+        if echo is not None:
+            tokens = echo.tokens + tokens
+            entries = (prompt_logprobs or [None] * len(echo.tokens)) + entries
+        return schemas.logprobs(tokens, entries, offset, self._token_text)
+
     def _completion_params(self, body: schemas.CompletionRequest, choice_index: int) -> GenerationParams:
         # Choice i of a seeded request uses seed + i: distinct choices, reproducible as a whole.
         seed = None if body.seed is None else body.seed + choice_index
         if seed is not None and seed > schemas.MAX_INT64:
             raise bad_request(f"seed + n - 1 must stay below 2**63, got seed={body.seed}, n={body.n}", "seed")
         return GenerationParams(
-            max_tokens=body.max_tokens or self.limits.default_max_tokens,
+            max_tokens=self._max_tokens(body),
             stop=tuple(body.stop_strings()),
             ignore_eos=body.ignore_eos,
             sampling=self._sampling(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed),
+            logprobs=body.logprobs,
+            echo=body.echo,
         )
 
     @staticmethod
@@ -434,17 +461,29 @@ class GPT2Server:
             )
         raise _engine_failed(first)
 
-    async def _collect(self, choices: Choices, num_choices: int) -> tuple[list[dict[str, Any]], int]:
-        """Every choice's full text and finish reason, and the completion tokens of all of them."""
+    async def _collect(
+        self,
+        choices: Choices,
+        num_choices: int,
+        logprobs: int | None = None,
+        shown: list[ShownPrompt] | None = None,
+    ) -> tuple[list[dict[str, Any]], int]:
+        """Every choice's full text and finish reason (with `logprobs`, its tokens' log-probabilities; with
+        echo, its prompt first: `shown`), and the completion tokens of all of them."""
         texts: list[list[str]] = [[] for _ in range(num_choices)]
         reasons: list[str | None] = [None] * num_choices
         seeds: list[int | None] = [None] * num_choices
+        token_logprobs: list[list] = [[] for _ in range(num_choices)]
+        prompt_logprobs: list[list | None] = [None] * num_choices
         completion_tokens = 0
         # No interval: this coroutine wakes for each choice's first token and its end, not per token.
         async with contextlib.aclosing(choices.updates(interval_s=math.inf)) as updates:
             async for batch in updates:
                 for update in batch:
                     texts[update.index].append(update.text)
+                    token_logprobs[update.index].extend(update.logprobs or ())
+                    if update.prompt_logprobs is not None:
+                        prompt_logprobs[update.index] = update.prompt_logprobs
                     end = update.end
                     if end is None:
                         continue
@@ -458,10 +497,26 @@ class GPT2Server:
                 if await self._moderate(self.moderator.check_completion, output["text"]) is not None:
                     self.metrics.record_moderation_block("completion")
                     output.update(text="", finish_reason=CONTENT_FILTER)  # withheld, as OpenAI does
+                    token_logprobs[output["index"]] = []  # and so are its tokens
+        for i, output in enumerate(outputs):
+            if shown is None:
+                continue
+            prompt = shown[i]
+            if logprobs is not None:
+                echo, offset = (prompt, 0) if prompt.echoed else (None, len(prompt.text))
+                output["logprobs"] = self._logprobs_body(echo, token_logprobs[i], prompt_logprobs[i], offset)
+            if prompt.echoed:
+                output["text"] = prompt.text + output["text"]
         return outputs, completion_tokens
 
     async def _stream(
-        self, choices: Choices, request_id: str, created: int, prompt_tokens: int | None
+        self,
+        choices: Choices,
+        request_id: str,
+        created: int,
+        prompt_tokens: int | None,
+        logprobs: int | None = None,
+        shown: list[ShownPrompt] | None = None,
     ) -> AsyncIterator[str]:
         """SSE chunks, one per choice per update, then the usage (if asked for) and [DONE].
 
@@ -476,6 +531,8 @@ class GPT2Server:
         completion_tokens = 0
         guards: dict[int, CompletionGuard] = {}
         filtered: set[int] = set()
+        echoed: set[int] = set()  # choices whose prompt went out (in their first chunk)
+        offsets: dict[int, int] = {}  # with logprobs: where each choice's next chunk starts in its text
         interval_s = self.limits.stream_interval_ms / 1000
         failed = None
         async with contextlib.aclosing(choices.updates(interval_s)) as updates:
@@ -493,10 +550,21 @@ class GPT2Server:
                     text, finish_reason = await self._moderate_delta(choices, guards, update)
                     if finish_reason == CONTENT_FILTER:
                         filtered.add(update.index)
+                    prompt = shown[update.index] if shown is not None else None
+                    echo = prompt if prompt is not None and prompt.echoed and update.index not in echoed else None
+                    if echo is not None:  # the prompt goes out first, in the choice's first chunk
+                        echoed.add(update.index)
+                        text = echo.text + text
                     if text or finish_reason:
                         # The seed goes with the choice's last chunk (the one with its finish_reason).
                         seed = end.seed if finish_reason and end is not None else None
-                        output = schemas.choice(update.index, text, finish_reason, seed)
+                        body = None
+                        if logprobs is not None:
+                            start = offsets.get(update.index, 0 if prompt.echoed else len(prompt.text))
+                            tokens = [] if finish_reason == CONTENT_FILTER else update.logprobs or []
+                            body = self._logprobs_body(echo, tokens, update.prompt_logprobs, start)
+                            offsets[update.index] = start + sum(map(len, body["tokens"]))
+                        output = schemas.choice(update.index, text, finish_reason, seed, body)
                         chunks.append(_sse(schemas.completion(request_id, created, self.model_name, [output], None)))
                 if failed is not None:
                     chunks.append(_sse(_engine_failed(failed).body()))

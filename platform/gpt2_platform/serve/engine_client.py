@@ -31,7 +31,14 @@ from transformers import PreTrainedTokenizerBase
 from gpt2_platform.engine.detokenize import ByteTable
 from gpt2_platform.engine.link import Inlet, Link, Record
 from gpt2_platform.engine.output import TextOutput
-from gpt2_platform.engine.requests import Deliver, EngineDeadError, Event, GenerationParams, validate_request
+from gpt2_platform.engine.requests import (
+    Deliver,
+    EngineDeadError,
+    Event,
+    GenerationParams,
+    TokenLogprob,
+    validate_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,21 @@ class _Remote:
     seed: int
     response: DeploymentResponse | None = None
     link: Link | None = None
+    # With logprobs: every token's as it came (one per token in output.generated), how many events carried
+    # so far, and the prompt's (echo), until an event carries them.
+    logprobs: list[TokenLogprob] | None = None
+    logprobs_sent: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def event(self, key: int, tokens: list[int], text: str) -> Event:
+        """An event with `tokens`, the next the consumer has not had, and their log-probabilities."""
+        event = Event(key, tokens, text, seed=self.seed)
+        if self.logprobs is not None:
+            start, self.logprobs_sent = self.logprobs_sent, self.logprobs_sent + len(tokens)
+            event.logprobs = self.logprobs[start : self.logprobs_sent]
+        if self.prompt_logprobs is not None:
+            event.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        return event
 
 
 class RemoteEngine:
@@ -131,7 +153,11 @@ class RemoteEngine:
         key = next(self._ids)
         output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
         sequence = _Remote(on_event, output, len(prompt_ids), sampling.seed)
-        engine_params = GenerationParams(params.max_tokens, (), params.ignore_eos, sampling)
+        if params.logprobs is not None:
+            sequence.logprobs = []
+        engine_params = GenerationParams(
+            params.max_tokens, (), params.ignore_eos, sampling, params.logprobs, params.echo
+        )
         self._sequences[key] = sequence
         room = self.capacity() - request_size + 1 if request_size else None
         link = min(self._links, key=lambda link: len(link.keys), default=None)
@@ -173,10 +199,16 @@ class RemoteEngine:
     def _take(self, link: Link, records: list[Record]) -> None:
         batch: list[tuple[Callable[[Event], None], Event]] = []
         sequences = self._sequences
-        for key, token, reason, error in records:
+        for key, token, reason, error, *logprobs in records:
             sequence = sequences.get(key)
             if sequence is None:
                 continue  # finished here already (a stop string, a cancel): the engine's tail is dropped
+            if logprobs:  # (the token's, the prompt's): a sequence that asked for them
+                token_logprob, prompt_logprobs = logprobs[0]
+                if token_logprob is not None:
+                    sequence.logprobs.append(token_logprob)
+                if prompt_logprobs is not None:
+                    sequence.prompt_logprobs = prompt_logprobs
             if sequence.link is None:
                 sequence.link = link
                 link.keys.add(key)
@@ -190,7 +222,7 @@ class RemoteEngine:
                 continue
             tokens, text, finish = emitted
             if finish is None:
-                batch.append((sequence.on_event, Event(key, tokens, text, seed=sequence.seed)))
+                batch.append((sequence.on_event, sequence.event(key, tokens, text)))
                 continue
             del sequences[key]
             link.keys.discard(key)
@@ -202,16 +234,10 @@ class RemoteEngine:
     def _final(
         self, key: int, sequence: _Remote, tokens: list[int], text: str, reason: str, error: str | None = None
     ) -> Event:
-        return Event(
-            key,
-            tokens,
-            text,
-            finish_reason=reason,
-            prompt_tokens=sequence.prompt_tokens,
-            completion_tokens=len(sequence.output.generated),
-            seed=sequence.seed,
-            error=error,
-        )
+        event = sequence.event(key, tokens, text)
+        event.finish_reason, event.error = reason, error
+        event.prompt_tokens, event.completion_tokens = sequence.prompt_tokens, len(sequence.output.generated)
+        return event
 
     def _hand_over(self, batch: list[tuple[Callable[[Event], None], Event]]) -> None:
         if not batch:

@@ -11,7 +11,8 @@ import asyncio
 import dataclasses
 import json
 import time
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from pydantic import (
@@ -26,10 +27,13 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from starlette.requests import ClientDisconnect
 
-from gpt2_platform.engine.config import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, EngineConfig
+from gpt2_platform.engine.config import MAX_LOGPROBS, MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, EngineConfig
 from gpt2_platform.moderation import ModerationConfig
 from gpt2_platform.serve import errors
 from gpt2_platform.serve.errors import APIError, bad_request
+
+if TYPE_CHECKING:  # engine/requests.py brings torch; these schemas stay importable without it
+    from gpt2_platform.engine.requests import TokenLogprob
 
 # The request bounds are the engine's (engine/config.py), so what it would refuse gets a 400 naming the field.
 MAX_INT64 = MAX_SEED  # the name serve/app.py checks seed + n - 1 against
@@ -168,7 +172,8 @@ class CompletionRequest(_RequestBody):
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
+    """0 only with echo: score the prompt (its tokens' log-probabilities), generate nothing."""
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)
@@ -179,9 +184,11 @@ class CompletionRequest(_RequestBody):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
-    # OpenAI options this server does not implement: accepted only at their no-op values.
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """Each token's log-probability and this many alternatives', under the raw logits."""
     echo: bool = False
+    """The prompt comes back before the completion (with logprobs, its tokens' log-probabilities too)."""
+    # OpenAI options this server does not implement: accepted only at their no-op values.
     best_of: int | None = None
     suffix: str | None = None
     presence_penalty: float = 0.0
@@ -190,10 +197,6 @@ class CompletionRequest(_RequestBody):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first option asked for that this server cannot honour."""
-        if self.logprobs is not None:
-            return "logprobs", "logprobs is not supported by this server; leave it out"
-        if self.echo:
-            return "echo", "echo is not supported by this server; leave it out or set it to false"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", f"best_of other than n is not supported (got best_of={self.best_of}, n={self.n})"
         if self.suffix is not None:
@@ -231,6 +234,8 @@ class CompletionRequest(_RequestBody):
         if longest > limits.max_stop_chars:
             message = f"a stop string of {longest} characters, over this server's limit of {limits.max_stop_chars}"
             raise bad_request(message, "stop", "stop_too_long")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1, or 0 with echo (to score the prompt)", "max_tokens")
         if self.max_tokens is not None and self.max_tokens > limits.max_tokens_cap:
             message = f"max_tokens is {self.max_tokens}, over this server's limit of {limits.max_tokens_cap}"
             raise bad_request(message, "max_tokens")
@@ -310,13 +315,34 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def choice(index: int, text: str, finish_reason: str | None, seed: int | None = None) -> dict[str, Any]:
+def choice(
+    index: int, text: str, finish_reason: str | None, seed: int | None = None, logprobs: dict | None = None
+) -> dict[str, Any]:
     """One choice; `seed` (an extension of OpenAI's shape) is the sampling seed it ran with, so an
     unseeded request can be reproduced by sending it back."""
-    body: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    body: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if seed is not None:
         body["seed"] = seed
     return body
+
+
+def logprobs(
+    tokens: list[int], entries: list[TokenLogprob | None], offset: int, token_text: Callable[[int], str]
+) -> dict[str, list]:
+    """OpenAI's `logprobs` object of a completions choice: each token's text, its log-probability, the
+    most likely tokens' as {text: log-probability} (null where there is none: an echoed prompt's first
+    token), and where each token's text starts in the choice's text, counted from `offset`."""
+    texts = [token_text(token) for token in tokens]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": [None if entry is None else entry[0] for entry in entries],
+        "top_logprobs": [None if entry is None else {token_text(i): lp for i, lp in entry[1]} for entry in entries],
+        "text_offset": offsets,
+    }
 
 
 def completion(

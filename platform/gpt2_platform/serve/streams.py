@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from gpt2_platform.engine.protocol import GenerationEngine
-from gpt2_platform.engine.requests import Event, GenerationParams
+from gpt2_platform.engine.requests import Event, GenerationParams, TokenLogprob
 from gpt2_platform.serve.metrics import ServeMetrics
 
 
@@ -20,17 +20,30 @@ class Job:
     params: GenerationParams
 
 
+@dataclass(frozen=True)
+class ShownPrompt:
+    """A choice's prompt as the response shows it: its text, its token ids, and whether echo puts it
+    before the completion (else it only anchors the logprobs' text offsets)."""
+
+    text: str
+    tokens: list[int]
+    echoed: bool
+
+
 # First events that mean a request never ran: the engine was full, or it failed.
 _REFUSALS = ("refused", "error")
 
 
 @dataclass
 class Update:
-    """What one sequence made since the last update: its new text, and its last event if it ended."""
+    """What one sequence made since the last update: its new text, and its last event if it ended; with
+    logprobs, its new tokens with theirs, and (once) the prompt's."""
 
     index: int
     text: str
     end: Event | None
+    logprobs: list[tuple[int, TokenLogprob]] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Choices:
@@ -53,6 +66,8 @@ class Choices:
         self._all_started = asyncio.Event()
         self._texts: dict[int, list[str]] = {}
         self._ends: dict[int, Event] = {}
+        self._logprobs: dict[int, list[tuple[int, TokenLogprob]]] = {}  # (token, its log-probabilities)
+        self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
         self._urgent = False  # a first token or an end is pending: no waiting for the interval
         self._waiter: asyncio.Future[None] | None = None
         self._waiter_takes_any = False
@@ -89,6 +104,10 @@ class Choices:
                 urgent = True
             if event.text:
                 self._texts.setdefault(index, []).append(event.text)
+            if event.logprobs:
+                self._logprobs.setdefault(index, []).extend(zip(event.token_ids, event.logprobs, strict=True))
+            if event.prompt_logprobs is not None:
+                self._prompt_logprobs[index] = event.prompt_logprobs
             if event.finished:
                 self.unfinished.discard(index)
                 self._ends[index] = event
@@ -127,7 +146,13 @@ class Choices:
                 texts, ends = self._texts, self._ends
                 self._texts, self._ends, self._urgent = {}, {}, False
                 last_at = time.perf_counter()
-                yield [Update(i, "".join(texts.get(i, ())), ends.get(i)) for i in sorted(texts.keys() | ends.keys())]
+                # A sequence's log-probabilities go with its text: those of tokens still without any (the
+                # middle of a character) wait for the update that has it.
+                pop_logprobs, pop_prompt = self._logprobs.pop, self._prompt_logprobs.pop
+                yield [
+                    Update(i, "".join(texts.get(i, ())), ends.get(i), pop_logprobs(i, None), pop_prompt(i, None))
+                    for i in sorted(texts.keys() | ends.keys())
+                ]
         finally:
             self.cancel()
 
