@@ -718,6 +718,9 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(base_url, mo
         "upscale_delay_s": 0.5,
         "downscale_delay_s": 2,
         "look_back_period_s": 2,
+        # How often replicas and handles push these metrics to the controller (10 s by default, longer than
+        # the look-back itself): each scaling decision waits for a push.
+        "metrics_interval_s": 0.5,
         # Ours: Serve's count less the bodies still arriving (none here), so it scales as Serve's would.
         "policy": {"policy_function": "gpt2_platform.serve.autoscaling:working_requests_policy"},
     }
@@ -772,3 +775,59 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(base_url, mo
     finally:
         serve.delete("autoscale")
         exporter.stop_exporters()
+
+
+def test_lm_evaluation_harness_scores_the_served_model_as_its_hf_backend_does(
+    base_url, model_dir, tmp_path, monkeypatch
+):
+    # A real evaluation client: lm-evaluation-harness's local-completions (echo + logprobs over HTTP) on a
+    # small multiple-choice task made here (the sums in the demo stories), against its own hf backend
+    # on the same checkpoint. Same accuracy, and the same log-likelihood for every choice.
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    rows = []
+    for i, story in enumerate(demo_data.stories(12, seed=11)):
+        head, _, tail = story.rpartition(" has ")  # "... now erin has" | "10 stones."
+        total, noun = tail.split(" ", 1)
+        options = [int(total) + d for d in (0, 1, -1, 2)]
+        choices = [f" {n} {noun}" for n in options[i % 4 :] + options[: i % 4]]
+        rows.append({"context": head + " has", "choices": choices, "label": (-i) % 4})
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "sums.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "task": "story_sums",
+                "dataset_path": "json",
+                "dataset_kwargs": {"data_files": {"test": str(data)}},
+                "test_split": "test",
+                "output_type": "multiple_choice",
+                "doc_to_text": "{{context}}",
+                "doc_to_choice": "{{choices}}",
+                "doc_to_target": "{{label}}",
+                "metric_list": [{"metric": "acc"}],
+            }
+        )  # fmt: skip
+    )
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = TaskManager(include_path=str(tmp_path))
+    common = {"tasks": ["story_sums"], "task_manager": tasks, "log_samples": True, "random_seed": 0}
+    served = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"base_url={base_url}/v1/completions,model={MODEL_NAME},tokenizer={model_dir},"
+        "tokenizer_backend=huggingface,max_length=256,num_concurrent=1,max_retries=1",
+        **common,
+    )
+    local = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={model_dir},dtype=float32", device="cpu", **common
+    )
+    assert served["results"]["story_sums"]["acc,none"] == local["results"]["story_sums"]["acc,none"]
+
+    def loglikelihoods(result: dict) -> list[float]:
+        samples = sorted(result["samples"]["story_sums"], key=lambda s: s["doc_id"])
+        return [resp[0][0] for sample in samples for resp in sample["resps"]]
+
+    assert len(loglikelihoods(served)) == 4 * len(rows)
+    assert loglikelihoods(served) == pytest.approx(loglikelihoods(local), abs=1e-4)
