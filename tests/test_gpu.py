@@ -88,6 +88,47 @@ def test_engine_with_cuda_graphs_matches_transformers_greedy_in_fp32(tmp_path):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("batch", [1, 3, 70], ids=["gemv", "cublas", "eager-prefill"])
+def test_logprobs_and_echo_from_cuda_graphs_match_transformers_in_fp32(tmp_path, batch):
+    # The '+logprobs' graphs (decode and prefill, captured on first use) and the echo prefill, on the GPU
+    # paths the CPU tests do not reach: our Triton kernels at batch 1, cuBLAS above, an eager prefill past
+    # the graphed limit (64 prompts) at 70.
+    from transformers import AutoModelForCausalLM
+
+    from gpt2_platform import checkpoint
+    from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams
+    from gpt2_platform.engine.sampling import SamplingParams
+    from gpt2_platform.tokenizer import byte_tokenizer
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = GPT2(preset("tiny"))
+    checkpoint.save_pretrained(model, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").cuda().eval()
+    config = EngineConfig(max_batch_size=80, max_seq_len=128, dtype="fp32")
+    engine = Engine(model, byte_tokenizer(), config).start(modes=("greedy",))
+    prompts = [list(range(3 + i % 50, 20 + i % 50 + i % 7)) for i in range(batch)]
+    greedy = SamplingParams(temperature=0.0)
+    try:
+        results = engine.generate(
+            prompts, GenerationParams(max_tokens=12, ignore_eos=True, sampling=greedy, logprobs=2)
+        )
+        scored = engine.generate(prompts, GenerationParams(max_tokens=0, logprobs=2, echo=True))
+        assert any(mode.endswith("+logprobs") for _, _, mode in engine.runner.graphs)
+    finally:
+        engine.shutdown()
+    for prompt, result, score in zip(prompts, results, scored, strict=True):
+        tokens = prompt + result.token_ids
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(torch.tensor([tokens], device="cuda")).logits[0].double(), dim=-1).cpu()
+        got = [lp for lp, _ in result.logprobs]
+        want = [expected[len(prompt) - 1 + i, t].item() for i, t in enumerate(result.token_ids)]
+        assert got == pytest.approx(want, abs=1e-4)
+        assert all(top[0][0] == t for t, (_, top) in zip(result.token_ids, result.logprobs, strict=True))
+        prompt_got = [entry[0] for entry in score.prompt_logprobs[1:]]
+        assert prompt_got == pytest.approx([expected[i, t].item() for i, t in enumerate(prompt[1:])], abs=1e-4)
+
+
 @pytest.mark.parametrize(
     "sampling", [(0.0, 0, 1.0), (0.9, 0, 1.0), (0.9, 20, 0.8)], ids=["greedy", "plain", "filtered"]
 )
