@@ -408,3 +408,40 @@ def test_an_actor_warms_only_the_sampling_modes_its_job_can_use():
     # A per-row temperature column can sample even when the default is greedy.
     with_column = InputConfig(paths=["p.parquet"], temperature_column="temperature")
     assert sampling_modes(GenerationConfig(temperature=0.0), with_column) == ("greedy", "plain")
+
+
+def test_a_logprobs_column_holds_each_generated_tokens_log_probability(ray_cluster, model_dir: Path, tmp_path: Path):
+    # Greedy rows and a sampled one, and an error row (null): each list as long as the completion, equal to
+    # transformers' log_softmax of the token at its position; a second run resumes into the same columns.
+    from transformers import GPT2LMHeadModel
+
+    path = tmp_path / "lp.parquet"
+    pq.write_table(pa.table({"id": [1, 2, 3, 4], "prompt": ["alice has", "bob gives", "", "carol"]}), path)
+    base = [
+        f"input.paths=[{path}]", "input.id_column=id", f"output.path={tmp_path / 'out'}",
+        "output.progress_bars=false", f"model.path={model_dir}", "generation.max_tokens=5",
+        "generation.ignore_eos=true", "generation.logprobs=true", "engine.dtype=fp32", "scaling.num_actors=1",
+    ]  # fmt: skip
+    summary = run_generation(load(None, [*base, "generation.temperature=0"]))
+    assert summary["errors"] == 1
+    table = pq.read_table([str(p) for p in part_files(tmp_path / "out")])
+    assert "logprobs" in table.column_names
+    rows = {row["id"]: row for row in table.to_pylist()}
+    assert rows["3"]["logprobs"] is None and rows["3"]["error"] is not None
+    hf = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    tokenizer = byte_tokenizer()
+    for row_id in ("1", "2", "4"):
+        row = rows[row_id]
+        prompt, completion = tokenizer.encode(row["prompt"]), tokenizer.encode(row["completion"])
+        assert len(row["logprobs"]) == len(completion) == row["completion_tokens"] == 5
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(torch.tensor([prompt + completion])).logits[0].double(), dim=-1)
+        want = [expected[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion)]
+        assert row["logprobs"] == pytest.approx(want, abs=1e-4)
+    # The same job again: nothing left to do, and the output keeps its logprobs column.
+    again = run_generation(load(None, [*base, "generation.temperature=0"]))
+    assert again["rows_this_run"] == 0 and again["rows"] == 4
+    # Another logprobs setting is another job: refused, naming the field.
+    without = [option for option in base if option != "generation.logprobs=true"]
+    with pytest.raises(Exception, match="generation.logprobs"):
+        run_generation(load(None, [*without, "generation.temperature=0"]))

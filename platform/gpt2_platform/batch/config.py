@@ -92,6 +92,9 @@ class GenerationConfig:
     """Keep generating past the end-of-text token."""
     long_prompts: LongPrompts = "reject"
     """A prompt that leaves no room for max_tokens: 'reject' (an error row) or 'truncate' (keep its end)."""
+    logprobs: bool = False
+    """Write each generated token's log-probability in a `logprobs` column (under the model's raw logits,
+    before temperature, top-k and top-p)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from gpt2_platform.batch.rows import OUTPUT_COLUMNS, error_kind
+from gpt2_platform.batch.rows import LOGPROBS_COLUMN, OUTPUT_COLUMNS, error_kind
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,8 @@ def commit_staged(directory: Path, done: set[str]) -> int:
                 os.replace(path, target)
             else:
                 tmp = directory / f".{target.name}.tmp"
-                pq.write_table(table.take(fresh).select(list(OUTPUT_COLUMNS)), tmp)
+                columns = [*OUTPUT_COLUMNS, *([LOGPROBS_COLUMN] if LOGPROBS_COLUMN in table.column_names else [])]
+                pq.write_table(table.take(fresh).select(columns), tmp)
                 os.replace(tmp, target)
                 path.unlink()
             done.update(ids[i] for i in fresh)

@@ -40,6 +40,16 @@ OUTPUT_SCHEMA = pa.schema(
     ]
 )
 OUTPUT_COLUMNS = tuple(OUTPUT_SCHEMA.names)
+LOGPROBS_COLUMN = "logprobs"
+"""With generation.logprobs: each generated token's log-probability, a list per row (null for an error row)."""
+
+
+def output_schema(logprobs: bool) -> pa.Schema:
+    """The output's columns: OUTPUT_SCHEMA, and the logprobs column when the job writes it (only then, so
+    outputs written without it keep resuming)."""
+    return OUTPUT_SCHEMA.append(pa.field(LOGPROBS_COLUMN, pa.list_(pa.float64()))) if logprobs else OUTPUT_SCHEMA
+
+
 MODERATION_KINDS = ("blocked_prompt", "blocked_completion")
 """Error kinds of rows moderation blocked; their finish_reason is content_filter."""
 
@@ -166,7 +176,11 @@ def build_request(
         temperature=values.temperature, top_k=defaults.top_k, top_p=defaults.top_p, seed=values.seed
     )
     params = GenerationParams(
-        max_tokens=values.max_tokens, stop=tuple(defaults.stop), ignore_eos=defaults.ignore_eos, sampling=sampling
+        max_tokens=values.max_tokens,
+        stop=tuple(defaults.stop),
+        ignore_eos=defaults.ignore_eos,
+        sampling=sampling,
+        logprobs=0 if defaults.logprobs else None,
     )
     return Request(prompt_ids, params, truncated)
 

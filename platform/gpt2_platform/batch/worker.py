@@ -14,7 +14,7 @@ from gpt2_platform.batch.config import GenerationConfig, InputConfig
 from gpt2_platform.batch.fingerprint import identity_sha256, model_identity
 from gpt2_platform.batch.output import write_staged
 from gpt2_platform.batch.rows import (
-    OUTPUT_SCHEMA,
+    LOGPROBS_COLUMN,
     Request,
     RowError,
     RowValues,
@@ -22,6 +22,7 @@ from gpt2_platform.batch.rows import (
     build_request,
     derived_id,
     finish_reason,
+    output_schema,
     resolve_values,
 )
 from gpt2_platform.engine.config import EngineConfig
@@ -95,7 +96,7 @@ def check_model(spec: WorkerSpec) -> None:
 
 
 class GenerateBatch:
-    """map_batches callable class: input rows (pyarrow) -> output rows (OUTPUT_SCHEMA), skipping done ids."""
+    """map_batches callable class: input rows (pyarrow) -> output rows (`output_schema`), skipping done ids."""
 
     def __init__(self, spec: WorkerSpec, done_ids: list) -> None:
         constructed_at = time.time()
@@ -179,7 +180,7 @@ class GenerateBatch:
         return pa.table({"rows_written": [rows.num_rows]})
 
     def generate(self, batch: pa.Table) -> pa.Table:
-        """Input rows (ids already done are skipped) -> output rows (OUTPUT_SCHEMA)."""
+        """Input rows (ids already done are skipped) -> output rows (`output_schema`)."""
         spec, columns = self.spec, self.spec.input
         ids = batch_ids(batch, columns.id_column)
         keep = [i for i, row_id in enumerate(ids) if row_id not in self.done]
@@ -221,7 +222,8 @@ class GenerateBatch:
 
         valid = [r for r in requests if r is not None]
         completions = iter(self.engine.generate([r.prompt_ids for r in valid], [r.params for r in valid]))
-        rows: dict[str, list] = {name: [] for name in OUTPUT_SCHEMA.names}
+        schema = output_schema(spec.generation.logprobs)
+        rows: dict[str, list] = {name: [] for name in schema.names}
         for row_id, prompt, row_values, request, error in zip(ids, prompts, values, requests, errors, strict=True):
             completion = next(completions) if request is not None else None
             if completion is not None and completion.error:
@@ -245,7 +247,9 @@ class GenerateBatch:
             rows["temperature"].append(row_values.temperature)
             rows["truncated_tokens"].append(request.truncated_tokens if request else 0)
             rows["run_id"].append(spec.run_id)
-        return pa.table(rows, schema=OUTPUT_SCHEMA)
+            if spec.generation.logprobs:
+                rows[LOGPROBS_COLUMN].append([lp for lp, _ in completion.logprobs] if ok else None)
+        return pa.table(rows, schema=schema)
 
     def __del__(self) -> None:
         stop = getattr(self, "_stop_reporting", None)
