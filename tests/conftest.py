@@ -15,6 +15,11 @@ _HOME = tempfile.mkdtemp(prefix="gpt2-platform-test-home-")
 os.environ["HOME"] = _HOME
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray Train's controller polls its workers every 2 s by default, and a worker's ray.train.report waits
+# for the controller to take the previous report (a queue of one): every report after the first costs
+# up to one poll, and so do noticing a failed worker and a finished run. Ray Train passes the variable
+# from the driver to its controller and workers. Tests' runs report every few steps: poll faster.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # Without a GPU, the engine's Triton kernels run in Triton's interpreter (tests/test_kernels.py). Read
 # when the kernels are defined, so before anything imports the engine.
 if not __import__("torch").cuda.is_available():

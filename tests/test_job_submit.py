@@ -23,7 +23,9 @@ MAX_UPLOAD_BYTES = 5 * 2**20
 
 @pytest.fixture
 def ray_head() -> Iterator[RayHead]:
-    head = start_head(num_cpus=2, object_store_bytes=200_000_000)
+    # Ray Train's controller polls every 2 s by default, and each report waits for a poll (conftest.py).
+    fast_polls = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+    head = start_head(num_cpus=2, object_store_bytes=200_000_000, extra_env=fast_polls)
     yield head
     survivors = head.stop()
     assert not survivors, f"processes of the test's Ray head outlived it and were killed: {survivors}"
