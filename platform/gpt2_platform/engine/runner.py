@@ -42,8 +42,8 @@ _SLOT, _LAST, _TEMPERATURE, _TOP_K, _TOP_P, _SEED, PROMPT_HEADER = range(7)
 GRAPHED_PREFILL_MAX = 64
 GRAPHED_PREFILL_TOKENS = 8192
 # Warm-up captures the prefill graphs up to this many tokens; larger ones (a batch job's) on first use, so
-# that a Serve replica's start-up does not pay for shapes it may never see (capturing them all made the
-# batch actor's warm-up more than twice as long: docs/benchmarks.md, current batch figures).
+# that a Serve replica's start-up does not pay for shapes it may never see (with all of them captured at
+# warm-up, the batch actor's warm-up grew: docs/benchmarks.md, current batch figures).
 WARM_PREFILL_TOKENS = 4096
 
 
