@@ -146,7 +146,7 @@ def test_a_checkpoint_that_fails_to_load_is_passed_over_too(trained: Path, tmp_p
     from safetensors.torch import save_file
 
     from gpt2_platform.config import ModelConfig
-    from gpt2_platform.loading import build_model
+    from gpt2_platform.train.loading import build_model
     from gpt2_platform.train.run_checkpoint import read_checkpoint
 
     run_dir = tmp_path / RUN_NAME

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from gpt2_platform.config import Config, from_dict
-from gpt2_platform.loading import build_model
 from gpt2_platform.model import GPT2, flops_per_token
 from gpt2_platform.train import traces
+from gpt2_platform.train.loading import build_model
 from gpt2_platform.train.loss import LMLoss
 from gpt2_platform.train.metrics import TrainMetrics
 from gpt2_platform.train.parallelize import parallelize
