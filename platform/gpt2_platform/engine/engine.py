@@ -12,6 +12,7 @@ callback; `stream()` wraps that for asyncio (Serve) and `generate()` blocks
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -35,8 +36,9 @@ from gpt2_platform.engine.requests import (
     EngineDeadError,
     Event,
     GenerationParams,
-    TokenLogprob,
+    LogprobStream,
     TokenSink,
+    logprob_entries,
     validate_request,
 )
 from gpt2_platform.engine.runner import SAMPLING_MODES, Launch, ModelRunner
@@ -63,12 +65,8 @@ class _Sequence:
     # Quiet: its consumer wants only the end (generate() without stop strings), so its tokens are taken in
     # a whole step at a time with numpy, and no Python runs for it per token.
     quiet: bool = False
-    # With params.logprobs: each generated token's, as taken in, and how many events have carried so far.
-    token_logprobs: list[TokenLogprob] | None = None
-    logprobs_sent: int = 0
-    # With params.echo and logprobs: the prompt's, once its prefill is taken in; sent with the first event.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    prompt_logprobs_sent: bool = False
+    # With params.logprobs: its tokens' (and with echo its prompt's), until events or records carry them.
+    logprobs: LogprobStream | None = None
     submitted_at: float = 0.0  # time.perf_counter(), for stats()
     admitted_at: float = 0.0
 
@@ -228,19 +226,11 @@ class Engine:
         consumer decodes it; `generate()` does), and the engine spends no Python on it per token.
         """
         self.check_health()
-        params = GenerationParams(
-            params.max_tokens,
-            tuple(params.stop),
-            params.ignore_eos,
-            params.sampling.resolved(),
-            params.logprobs,
-            params.echo,
-        )
+        params = dataclasses.replace(params, stop=tuple(params.stop), sampling=params.sampling.resolved())
         self.validate(prompt_ids, params)
         assert on_event is not None or sink is not None, "a sequence needs an on_event or a sink"
-        quiet = (
-            final_only and not tokens_only and sink is None and not params.stop and params.logprobs is None
-        ) and not params.echo
+        plain = not (params.stop or params.echo or params.logprobs is not None)
+        quiet = final_only and plain and not tokens_only and sink is None
         output = None
         if not tokens_only and sink is None and not quiet:
             output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
@@ -248,7 +238,7 @@ class Engine:
         sequence = _Sequence(
             next(self._ids), list(prompt_ids), params, on_event, output, sink, sink_key,
             max_tokens=params.max_tokens, stop_token=stop_token, quiet=quiet, submitted_at=time.perf_counter(),
-            token_logprobs=None if params.logprobs is None else [],
+            logprobs=None if params.logprobs is None else LogprobStream(),
         )  # fmt: skip
         with self._wakeup:
             self._waiting.append(sequence)
@@ -421,7 +411,7 @@ class Engine:
         for sequence in admitted:
             s, slot = sequence.params.sampling, sequence.slot
             self.runner.set_sampling(
-                slot, s.temperature, s.top_k, s.top_p, s.seed, logprobs=sequence.token_logprobs is not None
+                slot, s.temperature, s.top_k, s.top_p, s.seed, logprobs=sequence.logprobs is not None
             )
             self._occupant[slot] = sequence.request_id
             self._launched[slot] = 1
@@ -436,7 +426,7 @@ class Engine:
         slots = np.array([s.slot for s in admitted], np.int64)
         # One prompt asking for its log-probabilities makes the whole group's prefill the eager one that
         # computes them (the others' are not kept): echo requests are rare, and one prefill a step is simpler.
-        echo = any(s.params.echo and s.token_logprobs is not None for s in admitted)
+        echo = any(s.params.echo and s.logprobs is not None for s in admitted)
         prefill = self.runner.start_prefill([s.prompt for s in admitted], slots.tolist(), echo=echo)
         self.num_prefills += 1
         self.num_prompt_tokens += sum(len(s.prompt) for s in admitted)
@@ -499,23 +489,16 @@ class Engine:
         loud = np.flatnonzero(~quiet)
         for row, slot, token in zip(loud.tolist(), slots[loud].tolist(), tokens[loud].tolist(), strict=True):
             sequence = self._slots[slot]
-            top = sequence.params.logprobs
-            if prompt_logprobs is not None and sequence.params.echo and top is not None:
+            stream, top = sequence.logprobs, sequence.params.logprobs
+            if prompt_logprobs is not None and stream is not None and sequence.params.echo:
                 count = len(sequence.prompt) - 1
-                values, ids = prompt_logprobs[0][row, :count], prompt_logprobs[1][row, :count, :top]
-                sequence.prompt_logprobs = [None] + [
-                    (lp, tuple(zip(top_ids, top_lps, strict=True)))
-                    for lp, top_ids, top_lps in zip(
-                        values[:, 0].tolist(), ids.tolist(), values[:, 1 : 1 + top].tolist(), strict=True
-                    )
-                ]
+                scored = logprob_entries(prompt_logprobs[0][row, :count], prompt_logprobs[1][row, :count], top)
+                stream.prompt = [None, *scored]
             if sequence.max_tokens == 0:  # scoring only: the prefill's token is not wanted
                 self._finish(sequence, "length", [], "")
                 continue
-            if sequence.token_logprobs is not None:
-                values, ids = logprobs[0][row], logprobs[1][row]
-                alternatives = tuple(zip(ids[:top].tolist(), values[1 : 1 + top].tolist(), strict=True))
-                sequence.token_logprobs.append((float(values[0]), alternatives))
+            if stream is not None:
+                stream.tokens += logprob_entries(logprobs[0][row : row + 1], logprobs[1][row : row + 1], top)
             self._append(sequence, token)
 
     def _take_quiet(self, slots: np.ndarray, tokens: np.ndarray) -> None:
@@ -554,11 +537,12 @@ class Engine:
         if sink is not None:  # the hot path of a served sequence: one tuple per token
             if last:
                 self._finish(sequence, reason, [token], "")
-            elif sequence.token_logprobs is None:
-                sink.pending.append((sequence.sink_key, token, None, None))
-                self._sinks.add(sink)
-            else:
-                sink.pending.append((sequence.sink_key, token, None, None, self._record_logprobs(sequence, True)))
+            else:  # the record built inline unless log-probabilities ride along: this runs for every token
+                key = sequence.sink_key
+                record = (
+                    (key, token, None, None) if sequence.logprobs is None else self._record(sequence, token, None, None)
+                )
+                sink.pending.append(record)
                 self._sinks.add(sink)
             return
         if sequence.output is None:  # tokens only
@@ -584,10 +568,7 @@ class Engine:
             self._occupant[sequence.slot] = 0
         self.num_finished += 1
         if sequence.sink is not None:
-            record = (sequence.sink_key, token_ids[0] if token_ids else -1, reason, error)
-            if sequence.token_logprobs is not None:
-                record += (self._record_logprobs(sequence, bool(token_ids)),)
-            sequence.sink.add(record)
+            sequence.sink.add(self._record(sequence, token_ids[0] if token_ids else -1, reason, error))
             self._sinks.add(sequence.sink)
             if sequence.on_event is None:
                 return
@@ -598,25 +579,20 @@ class Engine:
         self._emit(sequence, event)
 
     @staticmethod
-    def _record_logprobs(sequence: _Sequence, with_token: bool) -> tuple:
-        """A sink record's log-probabilities: the token's (the last taken in) and, once, the prompt's."""
-        prompt = None
-        if sequence.prompt_logprobs is not None and not sequence.prompt_logprobs_sent:
-            prompt, sequence.prompt_logprobs_sent = sequence.prompt_logprobs, True
-        return (sequence.token_logprobs[-1] if with_token else None, prompt)
+    def _record(sequence: _Sequence, token: int, reason: str | None, error: str | None) -> tuple:
+        """A sink's record (TokenRecord): with log-probabilities asked for, the token's and (once) the prompt's."""
+        if sequence.logprobs is None:
+            return (sequence.sink_key, token, reason, error)
+        taken, prompt = sequence.logprobs.take(1 if token >= 0 else 0)
+        return (sequence.sink_key, token, reason, error, (taken[0] if taken else None, prompt))
 
     @staticmethod
     def _event(sequence: _Sequence, token_ids: list[int], text: str) -> Event:
         """An event carrying `token_ids` (the next ones the consumer has not had), with their
         log-probabilities when the request asked for them."""
-        logprobs = None
-        if sequence.token_logprobs is not None:
-            start = sequence.logprobs_sent
-            logprobs = sequence.token_logprobs[start : start + len(token_ids)]
-            sequence.logprobs_sent = start + len(token_ids)
-        event = Event(sequence.request_id, token_ids, text, seed=sequence.params.sampling.seed, logprobs=logprobs)
-        if sequence.prompt_logprobs is not None and not sequence.prompt_logprobs_sent:
-            event.prompt_logprobs, sequence.prompt_logprobs_sent = sequence.prompt_logprobs, True
+        event = Event(sequence.request_id, token_ids, text, seed=sequence.params.sampling.seed)
+        if sequence.logprobs is not None:
+            event.logprobs, event.prompt_logprobs = sequence.logprobs.take(len(token_ids))
         return event
 
     def _fail_all(self, error: BaseException) -> None:

@@ -55,6 +55,34 @@ class Event:
 TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 """A generated token's log-probability, and the most likely tokens at its position as (id, log-probability)."""
 
+
+def logprob_entries(values, ids, top: int) -> list[TokenLogprob]:
+    """TokenLogprobs from a launch's arrays (engine/runner.py, Launch): `values` (N, 1 + MAX_LOGPROBS), the
+    token's log-probability then the top ones'; `ids` (N, MAX_LOGPROBS); `top` alternatives kept."""
+    return [
+        (lp, tuple(zip(top_ids, top_lps, strict=True)))
+        for lp, top_ids, top_lps in zip(
+            values[:, 0].tolist(), ids[:, :top].tolist(), values[:, 1 : 1 + top].tolist(), strict=True
+        )
+    ]
+
+
+@dataclass(slots=True)
+class LogprobStream:
+    """One sequence's log-probabilities on their way to its consumer: each token's as it comes in, handed
+    out with the tokens that events carry, and the prompt's (echo) once, with the first hand-out."""
+
+    tokens: list[TokenLogprob] = field(default_factory=list)
+    sent: int = 0
+    prompt: list[TokenLogprob | None] | None = None
+
+    def take(self, count: int) -> tuple[list[TokenLogprob], list[TokenLogprob | None] | None]:
+        """The next `count` tokens' log-probabilities, and the prompt's if not handed out yet."""
+        start, self.sent = self.sent, self.sent + count
+        prompt, self.prompt = self.prompt, None
+        return self.tokens[start : self.sent], prompt
+
+
 Deliver = Callable[[list[tuple[Callable[[Event], None], Event]]], None]
 """What `deliver_in_batches` takes: a function given one engine step's events as (on_event, event) pairs."""
 

@@ -498,10 +498,7 @@ class GPT2Server:
                     self.metrics.record_moderation_block("completion")
                     output.update(text="", finish_reason=CONTENT_FILTER)  # withheld, as OpenAI does
                     token_logprobs[output["index"]] = []  # and so are its tokens
-        for i, output in enumerate(outputs):
-            if shown is None:
-                continue
-            prompt = shown[i]
+        for i, (output, prompt) in enumerate(zip(outputs, shown or (), strict=False)):
             if logprobs is not None:
                 echo, offset = (prompt, 0) if prompt.echoed else (None, len(prompt.text))
                 output["logprobs"] = self._logprobs_body(echo, token_logprobs[i], prompt_logprobs[i], offset)

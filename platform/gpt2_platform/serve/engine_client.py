@@ -18,6 +18,7 @@ are refused promptly instead of waiting in Serve's queue for a replica that is s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from gpt2_platform.engine.requests import (
     EngineDeadError,
     Event,
     GenerationParams,
-    TokenLogprob,
+    LogprobStream,
     validate_request,
 )
 
@@ -60,20 +61,14 @@ class _Remote:
     seed: int
     response: DeploymentResponse | None = None
     link: Link | None = None
-    # With logprobs: every token's as it came (one per token in output.generated), how many events carried
-    # so far, and the prompt's (echo), until an event carries them.
-    logprobs: list[TokenLogprob] | None = None
-    logprobs_sent: int = 0
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With logprobs: one per token in output.generated, and the prompt's (echo), until events carry them.
+    logprobs: LogprobStream | None = None
 
     def event(self, key: int, tokens: list[int], text: str) -> Event:
         """An event with `tokens`, the next the consumer has not had, and their log-probabilities."""
         event = Event(key, tokens, text, seed=self.seed)
         if self.logprobs is not None:
-            start, self.logprobs_sent = self.logprobs_sent, self.logprobs_sent + len(tokens)
-            event.logprobs = self.logprobs[start : self.logprobs_sent]
-        if self.prompt_logprobs is not None:
-            event.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+            event.logprobs, event.prompt_logprobs = self.logprobs.take(len(tokens))
         return event
 
 
@@ -154,10 +149,9 @@ class RemoteEngine:
         output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
         sequence = _Remote(on_event, output, len(prompt_ids), sampling.seed)
         if params.logprobs is not None:
-            sequence.logprobs = []
-        engine_params = GenerationParams(
-            params.max_tokens, (), params.ignore_eos, sampling, params.logprobs, params.echo
-        )
+            sequence.logprobs = LogprobStream()
+        # Stop strings are applied here, on the text (`output`); the engine ends sequences by token only.
+        engine_params = dataclasses.replace(params, stop=(), sampling=sampling)
         self._sequences[key] = sequence
         room = self.capacity() - request_size + 1 if request_size else None
         link = min(self._links, key=lambda link: len(link.keys), default=None)
@@ -206,9 +200,9 @@ class RemoteEngine:
             if logprobs:  # (the token's, the prompt's): a sequence that asked for them
                 token_logprob, prompt_logprobs = logprobs[0]
                 if token_logprob is not None:
-                    sequence.logprobs.append(token_logprob)
+                    sequence.logprobs.tokens.append(token_logprob)
                 if prompt_logprobs is not None:
-                    sequence.prompt_logprobs = prompt_logprobs
+                    sequence.logprobs.prompt = prompt_logprobs
             if sequence.link is None:
                 sequence.link = link
                 link.keys.add(key)
