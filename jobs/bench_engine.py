@@ -35,6 +35,7 @@ def main() -> int:
         "--decode-kernels", default="auto", choices=["auto", "triton", "torch"], help="see EngineConfig.decode_kernels"
     )
     parser.add_argument("--engine-only", action="store_true", help="skip transformers' generate")
+    parser.add_argument("--logprobs", action="store_true", help="also time the step with log-probabilities")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per side and batch size; the best counts")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
@@ -51,6 +52,7 @@ def main() -> int:
         args.runs,
         args.decode_kernels,
         args.engine_only,
+        args.logprobs,
     )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(

@@ -168,12 +168,25 @@ def step_bytes(model: GPT2, batch: int, context: float, dtype: torch.dtype) -> f
     return weights + batch * context * kv_per_token
 
 
-def pipelined_step_latency(engine: Engine, batch: int, position: int, repeats: int = 200) -> float:
+def pipelined_step_latency(
+    engine: Engine, batch: int, position: int, repeats: int = 200, logprobs: bool = False
+) -> float:
     """Milliseconds per decode step as the engine's loop runs them: step n+1 is launched before step n's
-    tokens are read, each step going on from the last one's tokens on the device."""
+    tokens are read, each step going on from the last one's tokens on the device.
+
+    `logprobs`: every row asks for log-probabilities (the step's '+logprobs' graph, which also copies
+    them to the host), to price them against the plain step."""
     runner = engine.runner
     # Positions advance a step at a time: they must stay inside the context.
     assert position + repeats + 10 < runner.max_seq_len, f"position {position} + {repeats} steps passes the context"
+    runner.logprobs[:batch] = [logprobs] * batch
+    try:
+        return _pipelined(runner, batch, position, repeats)
+    finally:
+        runner.logprobs[:batch] = [False] * batch
+
+
+def _pipelined(runner, batch: int, position: int, repeats: int) -> float:
     every = list(range(batch))
     # Fed by the host once; every later step continues from what the device holds for its rows.
     pending = runner.launch(batch, [], position, np.array([[1] * batch, [position] * batch, [1] * batch]))
@@ -199,10 +212,12 @@ def run(
     runs: int = 3,
     decode_kernels: str = "auto",
     engine_only: bool = False,
+    logprobs: bool = False,
 ) -> dict:
     """transformers first (before our engine exists, so nothing of ours runs beside it), then the engine.
 
-    `engine_only`: skip transformers (at batch 1,024 its generate takes minutes and is not the question)."""
+    `engine_only`: skip transformers (at batch 1,024 its generate takes minutes and is not the question).
+    `logprobs`: also time the pipelined steps with every row asking for log-probabilities."""
     torch.manual_seed(0)
     model = GPT2(preset(preset_name))
     dtype = resolve_dtype(dtype_name, device)
@@ -226,6 +241,11 @@ def run(
         # From the same position, in the same span bucket as the one-at-a-time steps.
         repeats = min(200, config.max_seq_len - prompt_tokens - 12)
         pipelined = {b: pipelined_step_latency(engine, b, prompt_tokens, repeats) for b in sizes}
+        with_logprobs = (
+            {b: pipelined_step_latency(engine, b, prompt_tokens, repeats, logprobs=True) for b in sizes}
+            if logprobs
+            else {}
+        )
         # The timed steps' mean context: they run from position prompt_tokens + 10 on, one position a step.
         context = prompt_tokens + 10 + (repeats + 1) / 2
         traffic = {b: step_bytes(model, b, context, dtype) for b in sizes}
@@ -250,6 +270,7 @@ def run(
         "decode_step_ms": latency,
         "pipelined_decode_step_ms": pipelined,
         "pipelined_context": context,
+        "pipelined_with_logprobs_ms": with_logprobs,
         "step_bytes": traffic,
         "copy_rate_gbps": copy_rate_gbps(device),
         "peak_memory_gib": peak,
@@ -294,6 +315,12 @@ def as_markdown(result: dict) -> str:
         share = f"{gbps / rate:.0%}" if rate else "-"
         floor = f"{moved / rate / 1e6:.3f}" if rate else "-"
         lines.append(f"| {b} | {ms:.3f} | {step:.3f} | {moved / 1e6:,.0f} | {gbps:,.0f} | {share} | {floor} |")
+    with_logprobs = result.get("pipelined_with_logprobs_ms") or {}
+    if with_logprobs:
+        lines += ["", "| batch | pipelined ms | with logprobs (5 alternatives) ms | cost |", "|---|---|---|---|"]
+        for b, ms in with_logprobs.items():
+            plain = pipelined.get(b, float("nan"))
+            lines.append(f"| {b} | {plain:.3f} | {ms:.3f} | {ms / plain - 1:+.1%} |")
     if result.get("peak_memory_gib") is not None:
         lines += [
             "",
