@@ -458,6 +458,8 @@ def test_an_echoed_prompt_is_scored_with_transformers_log_softmax_alone_or_befor
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "model").eval()
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=4, max_seq_len=128, dtype="fp32")).start()
     prompts = [tokenizer(text)["input_ids"] for text in ("alice has 3 apples.", "b", "the quick brown fox jumps over")]
+    # One token past the context: all 128 positions are scored, as a training block of 129 tokens is.
+    prompts.append([(7 * i) % 250 + 1 for i in range(129)])
     try:
         scored = engine.generate(prompts, GenerationParams(max_tokens=0, logprobs=3, echo=True))
         # One echo request admitted beside a plain one: the plain one is unchanged.
@@ -474,7 +476,7 @@ def test_an_echoed_prompt_is_scored_with_transformers_log_softmax_alone_or_befor
         assert completion.finish_reason == "length" and completion.prompt_tokens == len(prompt)
         assert len(completion.prompt_logprobs) == len(prompt) and completion.prompt_logprobs[0] is None
         with torch.no_grad():
-            expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), dim=-1)
+            expected = torch.log_softmax(hf(torch.tensor([prompt[:128]])).logits[0].double(), dim=-1)
         for position, (token, entry) in enumerate(zip(prompt[1:], completion.prompt_logprobs[1:], strict=True)):
             logprob, alternatives = entry
             assert abs(logprob - expected[position, token].item()) < 1e-4
@@ -491,5 +493,7 @@ def test_an_echoed_prompt_is_scored_with_transformers_log_softmax_alone_or_befor
 def test_max_tokens_0_needs_echo_and_an_echoed_prompt_must_fit_the_context(engine):
     with pytest.raises(ValueError, match=r"max_tokens must be >= 1 \(0 only with echo\)"):
         engine.generate([[1, 2]], GenerationParams(max_tokens=0, logprobs=1))
-    with pytest.raises(ValueError, match="over the context of 128"):
-        engine.generate([[1] * 129], GenerationParams(max_tokens=0, logprobs=1, echo=True))
+    with pytest.raises(ValueError, match="over the 129 tokens a scored prompt may hold"):
+        engine.generate([[1] * 130], GenerationParams(max_tokens=0, logprobs=1, echo=True))
+    with pytest.raises(ValueError, match="over the context of 128"):  # generating: the context is the limit
+        engine.generate([[1] * 128], GenerationParams(max_tokens=1, logprobs=1, echo=True))

@@ -350,7 +350,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logprobs": -1}, 400, "logprobs"),
     ({"prompt": "x", "logprobs": 1.5}, 400, "logprobs"),
     ({"prompt": "x", "echo": "yes"}, 400, "echo"),
-    ({"prompt": [65] * 257, "echo": True, "max_tokens": 0, "logprobs": 0}, 400, "max_tokens"),  # over the context
+    ({"prompt": [65] * 258, "echo": True, "max_tokens": 0, "logprobs": 0}, 400, "prompt"),  # over context + 1
     ({"prompt": "x", "best_of": 3}, 400, "best_of"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),

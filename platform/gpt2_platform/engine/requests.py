@@ -127,6 +127,13 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped; the replica must be replaced."""
 
 
+def scoring_only(params: GenerationParams) -> bool:
+    """An echoed prompt with max_tokens 0: nothing is generated, so its last token is only ever a target, never
+    an input, and the prompt may be one token longer than the context (a training block of context + 1
+    tokens scores its context's every position, as the training loss does)."""
+    return params.echo and params.max_tokens == 0
+
+
 def validate_request(prompt_ids: list[int], params: GenerationParams, max_seq_len: int, vocab_size: int) -> None:
     """Raise ValueError for a request an engine of this context and vocabulary cannot take, naming what is wrong."""
     if not prompt_ids:
@@ -134,7 +141,12 @@ def validate_request(prompt_ids: list[int], params: GenerationParams, max_seq_le
     if params.max_tokens < (0 if params.echo else 1):
         raise ValueError(f"max_tokens must be >= 1 (0 only with echo), got {params.max_tokens}")
     total = len(prompt_ids) + params.max_tokens
-    if total > max_seq_len:
+    if scoring_only(params) and len(prompt_ids) > max_seq_len + 1:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) is over the {max_seq_len + 1} tokens a scored prompt may hold "
+            f"(the context of {max_seq_len}, plus a last token that is only scored); shorten the prompt"
+        )
+    if not scoring_only(params) and total > max_seq_len:
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total}, over the "
             f"context of {max_seq_len} tokens; shorten the prompt or lower max_tokens"

@@ -159,7 +159,8 @@ class ModelRunner:
         self.prefill_graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graphed_prefill_max = min(GRAPHED_PREFILL_MAX, num_slots)
         self.prefill_batch_buckets = buckets(self.graphed_prefill_max, 1)
-        self.staged_prompts = torch.zeros(num_slots, PROMPT_HEADER + max_seq_len, dtype=torch.long, device=device)
+        # One column past the context: a scored prompt's last token, a target only (requests.scoring_only).
+        self.staged_prompts = torch.zeros(num_slots, PROMPT_HEADER + max_seq_len + 1, dtype=torch.long, device=device)
         self.host_prompts = [
             torch.zeros(self.staged_prompts.shape, dtype=torch.long, pin_memory=pinned) for _ in range(2)
         ]
@@ -245,8 +246,10 @@ class ModelRunner:
             done.synchronize()  # the copy from this buffer two prefills ago; long finished in a running engine
         longest = max(len(p) for p in prompts)
         # Pad to a power-of-two width: few shapes, each warmed before serving (a new
-        # attention shape costs hundreds of ms of kernel planning on its first use).
-        width = bucket_for(longest, self.prefill_buckets)
+        # attention shape costs hundreds of ms of kernel planning on its first use). A scored prompt one
+        # token past the context feeds all but its last token (a target only).
+        assert longest <= self.max_seq_len or echo, f"a prompt of {longest} tokens is over the context"
+        width = bucket_for(min(longest, self.max_seq_len), self.prefill_buckets)
         mode = self._mode_of(
             [self.greedy[s] for s in slots], [self.limited[s] for s in slots], [self.logprobs[s] for s in slots]
         )
@@ -258,7 +261,8 @@ class ModelRunner:
         as_float = rows.view("float64")
         for row, (prompt, slot) in enumerate(zip(prompts, slots, strict=True)):
             temperature, top_k, top_p, seed = self.sampling[slot]
-            rows[row, _SLOT], rows[row, _LAST], rows[row, _TOP_K], rows[row, _SEED] = slot, len(prompt) - 1, top_k, seed
+            last = min(len(prompt), self.max_seq_len) - 1
+            rows[row, _SLOT], rows[row, _LAST], rows[row, _TOP_K], rows[row, _SEED] = slot, last, top_k, seed
             as_float[row, _TEMPERATURE], as_float[row, _TOP_P] = temperature, top_p
             rows[row, PROMPT_HEADER : PROMPT_HEADER + len(prompt)] = prompt
         # A graph's padding rows: greedy, one token long, into the scratch slot.
@@ -274,7 +278,7 @@ class ModelRunner:
             graph, out = self.prefill_graphs.get((rows_in, width, mode)) or self._capture_prefill(rows_in, width, mode)
             graph.replay()
         else:
-            out = self._prefill(self.staged_prompts[:batch, : PROMPT_HEADER + width], width, mode, echo)
+            out = self._prefill(self.staged_prompts[:batch, : PROMPT_HEADER + width + 1], width, mode, echo)
         prompt_logprobs = None
         if echo:
             out, prompt_logprobs = out
@@ -289,9 +293,10 @@ class ModelRunner:
         """Staged prompt rows `(B, PROMPT_HEADER + width)` into their slots; the first token of each.
 
         Sets each slot's sampling parameters from its row, and leaves the slot's first token, position
-        and step where the next decode step reads them. With `echo`, returns (that, the prompt's
-        log-probabilities: `(B, width - 1, 1 + MAX_LOGPROBS)` values and `(B, width - 1, MAX_LOGPROBS)` top
-        ids, position t for token t + 1; a row's columns past its own prompt are padding).
+        and step where the next decode step reads them. With `echo` (rows of `PROMPT_HEADER + width + 1`
+        columns: the one past the width is a target only), returns (that, the prompt's log-probabilities:
+        `(B, width, 1 + MAX_LOGPROBS)` values and `(B, width, MAX_LOGPROBS)` top ids, position t for token
+        t + 1; a row's columns past its own prompt are padding).
         """
         slots, last = rows[:, _SLOT], rows[:, _LAST]
         self.temperature[slots] = rows[:, _TEMPERATURE].view(torch.float64).float()
@@ -305,7 +310,7 @@ class ModelRunner:
             hidden = self.model.hidden(tokens, positions=positions, cache=view, hidden_at=None if echo else last)
         prompt_logprobs = None
         if echo:  # (B, T, C): every position's, for the prompt's own log-probabilities
-            prompt_logprobs = self._prompt_logprobs(hidden, tokens)
+            prompt_logprobs = self._prompt_logprobs(hidden, rows[:, PROMPT_HEADER + 1 : PROMPT_HEADER + 1 + width])
             hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, C)
         logits = self._logits(hidden)
         # The same choice of pick as a decode step's (`_mode`): for greedy rows only, the argmax without
@@ -329,12 +334,10 @@ class ModelRunner:
         out = (first, *token_logprobs(logits, first, MAX_LOGPROBS)) if with_logprobs else first
         return out if prompt_logprobs is None else (out, prompt_logprobs)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities of tokens[:, 1:] from hidden[:, :-1] `(B, T, C)`, with the top ones; one row at a
-        time, so the logits held at once are one prompt's `(T, V)`."""
-        rows = [
-            token_logprobs(self._logits(hidden[b, :-1]), tokens[b, 1:], MAX_LOGPROBS) for b in range(hidden.shape[0])
-        ]
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities of `targets` `(B, T)` (each position's next token) from `hidden` `(B, T, C)`, with
+        the top ones; one row at a time, so the logits held at once are one prompt's `(T, V)`."""
+        rows = [token_logprobs(self._logits(hidden[b]), targets[b], MAX_LOGPROBS) for b in range(hidden.shape[0])]
         return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
     def _graphed_prefill(self, batch: int, width: int) -> bool:

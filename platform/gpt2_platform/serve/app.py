@@ -39,7 +39,7 @@ from transformers import PreTrainedTokenizerBase
 
 from gpt2_platform import checkpoint, gc_pauses
 from gpt2_platform.engine.detokenize import ByteTable
-from gpt2_platform.engine.requests import EngineDeadError, Event, GenerationParams
+from gpt2_platform.engine.requests import EngineDeadError, Event, GenerationParams, scoring_only
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.moderation import CONTENT_FILTER, CompletionGuard, Moderator, Verdict, build_moderator
 from gpt2_platform.serve import errors, schemas
@@ -400,7 +400,14 @@ class GPT2Server:
         if not job.prompt:
             raise bad_request("prompt is empty; send at least one token", "prompt")
         total, context = len(job.prompt) + job.params.max_tokens, self.engine.max_seq_len
-        if total > context:
+        if scoring_only(job.params) and total > context + 1:
+            raise bad_request(
+                f"this model's context is {context} tokens; a scored prompt (echo, max_tokens 0) may hold "
+                f"{context + 1}, the last one scored only, but this one has {total}; shorten the prompt",
+                "prompt",
+                "context_length_exceeded",
+            )
+        if not scoring_only(job.params) and total > context:
             raise bad_request(
                 f"this model's context is {context} tokens, but the request needs {total} "
                 f"({len(job.prompt)} in the prompt, {job.params.max_tokens} to generate); "
