@@ -68,6 +68,24 @@ def test_decode_attention_writes_the_step_and_attends_up_to_each_rows_own_positi
     assert_close(kv, expected_kv)  # slot 3, not in the batch, untouched
 
 
+def test_write_cache_puts_each_prompt_token_at_its_slot_and_position_from_the_projections_views():
+    # A prefill's keys and values are views of the input projection's (B, T, 3C) output, as the model
+    # makes them; the kernel writes them where the indexed assignment of the torch path does.
+    torch.manual_seed(2)
+    batch, width, heads, dim = 3, 5, 2, 32
+    kv = torch.randn(6, 2, heads, 8, dim)
+    qkv = torch.randn(batch, width, 3 * heads * dim)
+    _, k, v = (t.view(batch, width, heads, dim).transpose(1, 2) for t in qkv.split(heads * dim, dim=2))
+    slots = torch.tensor([4, 0, 2])
+    positions = torch.arange(width).expand(batch, width)
+    expected = kv.clone()
+    expected[slots[:, None], :, :, positions] = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=2)
+    tokens = [t.transpose(1, 2).reshape(-1, heads, dim) for t in (k, v)]
+    assert tokens[0].data_ptr() == k.data_ptr()  # views, not copies
+    kernels.write_cache(*tokens, kv, slots[:, None].expand(batch, width).reshape(-1), positions.reshape(-1))
+    assert torch.equal(kv, expected)  # slots 1, 3, 5 and positions past the prompt untouched
+
+
 @pytest.mark.parametrize("batch", [1, 3, 5], ids=["gemv-1", "gemv-3", "cublas-around-our-attention"])
 def test_the_kernels_decode_step_is_the_models_step(model, batch):
     prompts = [[1, 2, 3, 4, 5], [7] * 70, [9, 8], [4] * 33, [100, 50, 25]][:batch]

@@ -1,18 +1,21 @@
-"""Probe: where a batch job's prefill time goes, at the engine's shapes (needs a GPU).
+"""Probe: where a batch job's prefill time goes, and the device's time in a job-like run (needs a GPU).
 
-    python jobs/probes/prefill_cost.py [--slots 1024] [--max-seq-len 256]
+    python jobs/probes/prefill_cost.py [--slots 1024] [--max-seq-len 256] [--job-prompts 8192]
 
 A batch job at 1,024 slots admits about engine.max_prefill_tokens prompt tokens at a time, padded to a
 power-of-two width and row count. This prints, per (prompts, width), the device time of one prefill
-(CUDA events around back-to-back prefills), its padded tokens/s, and the same forward without the
-cache (the model's own `hidden`): the difference is what writing the cache costs. Then the kernels of one
-eager prefill at the job's usual shape (torch.profiler, sorted by device time).
+(CUDA events around back-to-back prefills, graphs as the engine replays them) with the cache written by
+torch's indexed assignment and by our kernel, and the kernels of one eager prefill. With
+`--job-prompts`, it then runs the engine as a batch job does (prompts of 32-128 tokens, 128 new, greedy)
+under torch.profiler and prints the device's time by kernel against the wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "platform"))
@@ -21,8 +24,12 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from gpt2_platform.bench.generation import random_prompts  # noqa: E402
+from gpt2_platform.engine.cache import PrefillView  # noqa: E402
+from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
 from gpt2_platform.engine.runner import PROMPT_HEADER, ModelRunner  # noqa: E402
+from gpt2_platform.engine.sampling import SamplingParams  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
+from gpt2_platform.tokenizer import byte_tokenizer  # noqa: E402
 
 
 def device_ms(fn, repeats: int) -> float:
@@ -37,13 +44,79 @@ def device_ms(fn, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def prefill_table(model: GPT2, args: argparse.Namespace, device: torch.device) -> None:
+    times: dict[str, dict[str, float]] = {}
+    for variant, kernel_write in (("indexed assignment", False), ("our kernel", True)):
+        PrefillView.kernel_write = kernel_write
+        runner = ModelRunner(model, args.slots, args.max_seq_len, torch.bfloat16, device, cuda_graphs=True)
+        runner.warmup(("greedy",))
+        for shape in args.shapes:
+            batch, width = (int(v) for v in shape.split("x"))
+            prompts = [p.tolist() for p in random_prompts(batch, width, model.config.vocab_size)]
+            slots = list(range(batch))
+            ms = device_ms(lambda p=prompts, s=slots, r=runner: r.start_prefill(p, s), args.repeats)
+            times.setdefault(shape, {})[variant] = ms
+        if kernel_write:
+            profile_one(runner, *(int(v) for v in args.shapes[0].split("x")), model.config.vocab_size)
+        del runner
+        torch.cuda.empty_cache()
+    print("| prompts x width | cache by indexed assignment ms | by our kernel ms | padded tokens/s (kernel) |")
+    print("|---|---:|---:|---:|")
+    for shape, by in times.items():
+        batch, width = (int(v) for v in shape.split("x"))
+        ours = by["our kernel"]
+        print(f"| {shape} | {by['indexed assignment']:.3f} | {ours:.3f} | {batch * width / ours * 1e3:,.0f} |")
+
+
+def profile_one(runner: ModelRunner, batch: int, width: int, vocab: int) -> None:
+    prompts = [p.tolist() for p in random_prompts(batch, width, vocab)]
+    rows = runner.staged_prompts[:batch]
+    runner.start_prefill(prompts, list(range(batch))).tokens()  # stages this shape's rows
+    torch.cuda.synchronize()
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            runner._prefill(rows[:, : PROMPT_HEADER + width], width, "greedy")
+        torch.cuda.synchronize()
+    print(f"\nKernels of 5 eager prefills of {batch} x {width} (cache by our kernel):")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+def job_profile(model: GPT2, args: argparse.Namespace, device: torch.device) -> None:
+    config = EngineConfig(max_batch_size=args.slots, max_seq_len=args.max_seq_len, dtype="bf16")
+    engine = Engine(model, byte_tokenizer(), config, device=device).start(modes=("greedy",))
+    rng = random.Random(0)
+    params = GenerationParams(max_tokens=128, ignore_eos=True, sampling=SamplingParams(temperature=0))
+
+    def prompts() -> list[list[int]]:
+        return [[rng.randrange(1, 256) for _ in range(rng.randint(32, 128))] for _ in range(args.job_prompts)]
+
+    try:
+        engine.generate(prompts(), params)  # captures the shapes met on first use
+        batch = prompts()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            started = time.perf_counter()
+            done = engine.generate(batch, params)
+            wall = time.perf_counter() - started
+    finally:
+        engine.shutdown()
+    tokens = sum(len(c.token_ids) for c in done)
+    events = prof.key_averages()
+    busy_ms = sum(e.self_device_time_total for e in events) / 1e3
+    print(
+        f"\nJob-like run: {args.job_prompts} prompts of 32-128 tokens, 128 new, {args.slots} slots: {wall:.2f} s, "
+        f"{tokens / wall:,.0f} generated tokens/s; device busy {busy_ms / 1e3:.2f} s ({busy_ms / 1e3 / wall:.0%})"
+    )
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt2")
     parser.add_argument("--slots", type=int, default=1024)
     parser.add_argument("--max-seq-len", type=int, default=256)
-    parser.add_argument("--shapes", nargs="+", default=["64x128", "32x128", "64x64", "16x128", "8x128", "1x128"])
+    parser.add_argument("--shapes", nargs="+", default=["64x128", "32x128", "64x64", "8x128", "1x128"])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--job-prompts", type=int, default=0, help="then profile a job-like run of this many")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -51,34 +124,10 @@ def main() -> int:
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = GPT2(preset(args.preset))
-    runner = ModelRunner(model, args.slots, args.max_seq_len, torch.bfloat16, device, cuda_graphs=True)
-    runner.warmup(("greedy",))
-    bare = runner.model
     print(f"{args.preset}, {args.slots} slots of {args.max_seq_len}, bf16, greedy")
-    print("| prompts x width | path | device ms | padded tokens/s | forward without cache ms | cache's share |")
-    print("|---|---|---:|---:|---:|---:|")
-    for shape in args.shapes:
-        batch, width = (int(v) for v in shape.split("x"))
-        prompts = [p.tolist() for p in random_prompts(batch, width, model.config.vocab_size)]
-        slots = list(range(batch))
-        ms = device_ms(lambda p=prompts, s=slots: runner.start_prefill(p, s), args.repeats)
-        tokens = torch.tensor(prompts, device=device)
-        last = torch.full((batch,), width - 1, device=device)
-        with torch.inference_mode(), runner._prefill_attention():
-            plain = device_ms(lambda t=tokens, at=last: runner._logits(bare.hidden(t, hidden_at=at)), args.repeats)
-        path = "graph" if runner._graphed_prefill(batch, width) else "eager"
-        print(f"| {shape} | {path} | {ms:.3f} | {batch * width / ms * 1e3:,.0f} | {plain:.3f} | {1 - plain / ms:.0%} |")
-    batch, width = (int(v) for v in args.shapes[0].split("x"))
-    prompts = [p.tolist() for p in random_prompts(batch, width, model.config.vocab_size)]
-    rows = runner.staged_prompts[:batch]
-    runner.start_prefill(prompts, list(range(batch))).tokens()  # stages this shape's rows
-    torch.cuda.synchronize()
-    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            runner._prefill(rows[:, : PROMPT_HEADER + width], width, "greedy")
-        torch.cuda.synchronize()
-    print(f"\nKernels of 5 eager prefills of {batch} x {width}:")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+    prefill_table(model, args, device)
+    if args.job_prompts:
+        job_profile(model, args, device)
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpt2_platform.engine import kernels
 from gpt2_platform.model import GPT2Config
 
 
@@ -48,13 +49,26 @@ class KVCache:
 class PrefillView:
     """Writes the prompt's keys and values; attention is plain causal over the prompt itself."""
 
+    kernel_write = True
+    """On CUDA, write the cache with our kernel (kernels.write_cache); False keeps the indexed assignment
+    (jobs/probes/prefill_cost.py times both)."""
+
     def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.cache, self.slots, self.positions = cache, slots[:, None], positions
+        self.write_kernel = self.kernel_write and cache.kv[0].is_cuda and kernels.available()
+        if self.write_kernel:  # each token's slot and position, flattened as the kernel reads them
+            self.token_slots = self.slots.expand_as(positions).reshape(-1)
+            self.token_positions = positions.reshape(-1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        # Index (B, 1) x (B, T) around the head dim: the target is (B, T, 2, nh, hs).
-        kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=2)
-        self.cache.kv[layer][self.slots, :, :, self.positions] = kv
+        if self.write_kernel:
+            # (B, nh, T, hs) -> (B * T, nh, hs): a view of the projection's output, no copy.
+            tokens = [t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (k, v)]
+            kernels.write_cache(*tokens, self.cache.kv[layer], self.token_slots, self.token_positions)
+        else:
+            # Index (B, 1) x (B, T) around the head dim: the target is (B, T, 2, nh, hs).
+            kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=2)
+            self.cache.kv[layer][self.slots, :, :, self.positions] = kv
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 

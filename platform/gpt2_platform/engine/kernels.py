@@ -204,6 +204,36 @@ if triton is not None:
         tl.store(out_ptr + b.to(tl.int64) * C + h * D + d, (acc / total).to(out_ptr.dtype.element_ty))
 
     @triton.jit
+    def _cache_write_kernel(
+        k_ptr,  # (N, H, D) any strides: the tokens' keys
+        v_ptr,
+        kv_ptr,  # the layer's cache (slots, 2, H, T, D), contiguous
+        slot_ptr,  # (N,) each token's slot
+        pos_ptr,  # (N,) each token's position
+        stride_kn,
+        stride_kh,
+        stride_vn,
+        stride_vh,
+        stride_slot,
+        stride_kv,
+        stride_head,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        n = tl.program_id(0)
+        i = tl.arange(0, BLOCK)  # (head, dim) of this token, flattened
+        ok = i < H * D
+        h, d = i // D, i % D
+        slot = tl.load(slot_ptr + n).to(tl.int64)
+        pos = tl.load(pos_ptr + n).to(tl.int64)
+        k = tl.load(k_ptr + n.to(tl.int64) * stride_kn + h * stride_kh + d, mask=ok)
+        v = tl.load(v_ptr + n.to(tl.int64) * stride_vn + h * stride_vh + d, mask=ok)
+        target = kv_ptr + slot * stride_slot + h * stride_head + pos * D + d
+        tl.store(target, k, mask=ok)
+        tl.store(target + stride_kv, v, mask=ok)
+
+    @triton.jit
     def _add_layer_norm_kernel(
         x_ptr,  # (B, C) the residual stream, updated in place when there is a bias
         bias_ptr,  # (C,) a linear's bias still to be added to x, or None
@@ -357,6 +387,39 @@ def ln_linear(
         **_launch(pdl),
     )
     return out
+
+
+def write_cache(
+    k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """Store tokens' keys and values `k`, `v` `(N, H, D)` (any strides: views of the attention's input
+    projection) into the layer's cache `kv` `(slots, 2, H, T, D)` at `slots`, `positions` `(N,)`.
+
+    Why not an indexed assignment: a prefill's write went through torch's generic index kernel plus a
+    stack of k and v, about a third of a batch job's prefill (jobs/probes/prefill_cost.py). One program a
+    token reads its keys and values where the projection left them and writes each head's D values
+    contiguously.
+    """
+    tokens, heads, head_dim = k.shape
+    assert kv.is_contiguous() and kv.shape[1] == 2 and k.stride(2) == 1 and v.stride(2) == 1
+    _cache_write_kernel[(tokens,)](
+        k,
+        v,
+        kv,
+        slots,
+        positions,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv.stride(0),
+        kv.stride(1),
+        kv.stride(2),
+        H=heads,
+        D=head_dim,
+        BLOCK=_pow2(heads * head_dim),
+        num_warps=4,
+    )
 
 
 def decode_attention(
