@@ -1,6 +1,6 @@
-"""Batch generation configuration: dataclasses loaded from YAML, with `--set a.b=c` overrides.
+"""Batch job configuration (generation or scoring): dataclasses loaded from YAML, with `--set a.b=c` overrides.
 
-The tree mirrors `jobs/configs/generate-*.yaml`. It reuses the training
+The tree mirrors `jobs/configs/generate-*.yaml` and `jobs/configs/score-*.yaml`. It reuses the training
 config's loader (`gpt2_platform.config._build`), so types, unknown keys and
 `--set` behave the same in both jobs.
 """
@@ -18,6 +18,7 @@ from gpt2_platform.engine.config import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, En
 from gpt2_platform.moderation import ModerationConfig
 
 LongPrompts = Literal["reject", "truncate"]
+Task = Literal["generate", "score"]
 
 
 @dataclass
@@ -25,7 +26,7 @@ class InputConfig:
     paths: list[str] = field(default_factory=list)
     """Parquet files, directories or globs holding the prompts."""
     prompt_column: str = "prompt"
-    """Column with the prompt text."""
+    """Column with the prompt text (task score: the text to score, or the context of the continuation)."""
     id_column: str | None = None
     """Column with a unique id per row (string or integer); null derives '<file name>:<row index>'."""
     max_tokens_column: str | None = None
@@ -34,19 +35,28 @@ class InputConfig:
     """Optional column with a per-row temperature (null in a row: generation.temperature)."""
     seed_column: str | None = None
     """Optional column with a per-row seed in [0, 2**63) (null in a row: derived from generation.seed and the id)."""
+    continuation_column: str | None = None
+    """Task score only: a column of text scored after the prompt column's, conditioned on it (only its tokens are
+    scored); null scores the prompt column's text itself."""
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):
             self.paths = [self.paths]
         if not self.prompt_column:
             raise ConfigError("input.prompt_column must not be empty")
-        for name in ("id_column", "max_tokens_column", "temperature_column", "seed_column"):
+        for name in ("id_column", "max_tokens_column", "temperature_column", "seed_column", "continuation_column"):
             if getattr(self, name) == "":
                 raise ConfigError(f"input.{name} must be a column name or null, not empty")
 
     def columns(self) -> list[str]:
         """The input columns the job reads."""
-        optional = (self.id_column, self.max_tokens_column, self.temperature_column, self.seed_column)
+        optional = (
+            self.id_column,
+            self.continuation_column,
+            self.max_tokens_column,
+            self.temperature_column,
+            self.seed_column,
+        )
         return list(dict.fromkeys([self.prompt_column, *(c for c in optional if c)]))
 
 
@@ -149,15 +159,42 @@ class ScalingConfig:
 
 @dataclass
 class GenerateConfig:
+    task: Task = "generate"
+    """'generate': a completion per row; 'score': the log-likelihood, scored tokens and perplexity of each row's
+    text (or of its continuation given the text), from the engine's log-probabilities, generating nothing."""
     input: InputConfig = field(default_factory=InputConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """What and how to generate (task generate; task score reads none of it)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The engine's settings: the dataclass Serve's `args.engine` takes (gpt2_platform.engine.config)."""
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     moderation: ModerationConfig = field(default_factory=ModerationConfig)
     """Content checks of prompts and completions (gpt2_platform.moderation); blocked rows get an error."""
+
+    def __post_init__(self) -> None:
+        if self.task == "generate" and self.input.continuation_column:
+            raise ConfigError(
+                "input.continuation_column is for task: score (the log-likelihood of a continuation); "
+                "remove it, or set task: score"
+            )
+        if self.task != "score":
+            return
+        per_row = ("max_tokens_column", "temperature_column", "seed_column")
+        set_columns = [f"input.{name}" for name in per_row if getattr(self.input, name)]
+        if set_columns:
+            raise ConfigError(
+                f"{', '.join(set_columns)} set with task: score, which samples nothing; remove them "
+                "(they are per-row settings of task: generate)"
+            )
+        if self.generation.logprobs:
+            raise ConfigError(
+                "generation.logprobs is for task: generate (log-probabilities of generated tokens); task: score "
+                "writes the log-likelihood of the text itself: remove generation.logprobs"
+            )
+        if self.moderation.enabled:
+            raise ConfigError("moderation is for task: generate; task: score generates no text: disable moderation")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,5 +1,6 @@
-"""Batch generation over Parquet with Ray Data: read_parquet -> map_batches(engine actors, which write the rows).
+"""The batch job over Parquet with Ray Data: read_parquet -> map_batches(engine actors, which write the rows).
 
+Task generate writes a completion per row; task score the log-likelihood of each row's text (score.py).
 `run_generation(config)` checks the input and the output directory on the driver (seconds, before any Ray
 work), commits what an interrupted earlier run left, then generates only the ids not yet in the output and
 writes a summary. See `output.py` for why an interruption at any moment loses no row and duplicates none,
@@ -25,7 +26,8 @@ from gpt2_platform.batch import fingerprint
 from gpt2_platform.batch import output as output_lib
 from gpt2_platform.batch.config import GenerateConfig, ScalingConfig
 from gpt2_platform.batch.inputs import InputError, InputFile, check_input, find_input_files
-from gpt2_platform.batch.rows import MODERATION_KINDS
+from gpt2_platform.batch.rows import MODERATION_KINDS, output_schema
+from gpt2_platform.batch.score import score_schema
 from gpt2_platform.batch.worker import PATH_COLUMN, ROW_HASH_COLUMN, GenerateBatch, WorkerSpec
 from gpt2_platform.moderation import Moderator, build_moderator
 
@@ -40,14 +42,16 @@ def job_identity(
     `model` is `fingerprint.model_identity(...)`: the weights themselves, so new weights at the same path are
     refused and the same weights moved to another path still resume.
     """
-    generation = asdict(config.generation)
     identity = {
         "input_files": [[os.path.basename(f.path), f.num_rows, f.size_bytes] for f in files],
         "input_columns": asdict(config.input) | {"paths": None},
         **model,
-        "generation": generation,
         "max_seq_len": config.engine.max_seq_len,
     }
+    if config.task == "score":  # recorded only then, so outputs generated before scoring existed still resume
+        identity["task"] = config.task
+    else:  # scoring reads none of the generation settings: changing them does not make it another job
+        identity["generation"] = asdict(config.generation)
     if moderator is not None:  # only when on, so outputs written before moderation existed still resume
         identity["moderation"] = moderator.identity()
     return identity
@@ -70,25 +74,32 @@ def _in_submitted_job() -> bool:
     return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
 
 
-def plan_actors(config: GenerateConfig) -> tuple[int, float]:
+def output_columns(config: GenerateConfig) -> list[str]:
+    """The columns of the job's output files."""
+    if config.task == "score":
+        return score_schema(config.input.continuation_column is not None).names
+    return output_schema(config.generation.logprobs).names
+
+
+def plan_actors(scaling: ScalingConfig) -> tuple[int, float]:
     """(number of actors, GPUs per actor): one per GPU (or GPU share), one CPU actor without GPUs."""
     import ray
 
     num_gpus = ray.cluster_resources().get("GPU", 0.0)
-    per_actor = config.scaling.num_gpus_per_actor
+    per_actor = scaling.num_gpus_per_actor
     if per_actor is None:
         per_actor = 1.0 if num_gpus >= 1 else 0.0
     if per_actor > 0 and num_gpus == 0:
         raise InputError(f"scaling.num_gpus_per_actor is {per_actor} but the cluster has no GPUs; set it to 0")
-    num_actors = config.scaling.num_actors
+    num_actors = scaling.num_actors
     if num_actors is None:
         num_actors = max(1, int(num_gpus // per_actor)) if per_actor > 0 else 1
     num_cpus = ray.cluster_resources().get("CPU", 0.0)
     # Actors hold their CPUs for the whole run (and write their own rows); reading needs one more, or the job
     # waits forever.
-    if num_actors * config.scaling.num_cpus_per_actor + 1 > num_cpus:
+    if num_actors * scaling.num_cpus_per_actor + 1 > num_cpus:
         raise InputError(
-            f"{num_actors} actor(s) x scaling.num_cpus_per_actor={config.scaling.num_cpus_per_actor} leave no CPU "
+            f"{num_actors} actor(s) x scaling.num_cpus_per_actor={scaling.num_cpus_per_actor} leave no CPU "
             f"of the cluster's {num_cpus:g} for reading the input; lower scaling.num_actors or num_cpus_per_actor"
         )
     return num_actors, per_actor
@@ -156,7 +167,8 @@ def new_run_id() -> str:
 
 
 def run_generation(config: GenerateConfig) -> dict[str, Any]:
-    """Generate a completion for every input row not yet in the output; return (and save) the summary."""
+    """Generate a completion for (task score: score) every input row not yet in the output; return (and save)
+    the summary."""
     from gpt2_platform import checkpoint
     from gpt2_platform.runtime import init_ray
 
@@ -181,18 +193,19 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
     directory = output_directory(config.output.path)
     model_id = fingerprint.model_identity(model_dir, tokenizer)
     model_sha256 = fingerprint.identity_sha256(model_id)
-    resumed = output_lib.open_output(directory, job_identity(files, config, model_id, moderator))
+    columns = output_columns(config)
+    resumed = output_lib.open_output(directory, job_identity(files, config, model_id, moderator), columns)
     run_id = new_run_id()
     with exclusive(directory):
         done: set[str] = set()
         if resumed:
             done = output_lib.committed_ids(directory)
-            salvaged = output_lib.commit_staged(directory, done)
+            salvaged = output_lib.commit_staged(directory, done, columns)
             logger.info("resuming: %d rows already done (%d from an interrupted run)", len(done), salvaged)
         num_actors, gpus_per_actor = 0, 0.0
         if len(done) < num_input_rows:
             init_ray()
-            num_actors, gpus_per_actor = plan_actors(config)
+            num_actors, gpus_per_actor = plan_actors(config.scaling)
             wait_for_resources(num_actors, gpus_per_actor, config.scaling)
             spec = WorkerSpec(
                 model=model,
@@ -205,31 +218,40 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
                 run_id=run_id,
                 staging_dir=str(directory / output_lib.STAGING_NAME / run_id),
                 moderator=moderator,
+                task=config.task,
             )
             logger.info(
-                "generating %d rows with %d actor(s) into %s", num_input_rows - len(done), num_actors, directory
+                "%s %d rows with %d actor(s) into %s",
+                "scoring" if config.task == "score" else "generating",
+                num_input_rows - len(done),
+                num_actors,
+                directory,
             )
             _generate(config, files, spec, done, num_actors, gpus_per_actor)
-            output_lib.commit_staged(directory, done)
+            output_lib.commit_staged(directory, done, columns)
         wall_s = time.perf_counter() - started
-        stats = output_lib.output_stats(directory, run_id)
+        stats = output_lib.output_stats(directory, run_id, config.task)
         summary = {
+            "task": config.task,
             "run_id": run_id,
             "output": str(directory),
             "model": model,
             "model_sha256": model_sha256,
             "input_rows": num_input_rows,
             **stats,
-            # Also in errors and errors_by_kind: a blocked row is an error row.
-            "moderation_blocked": sum(stats["errors_by_kind"].get(kind, 0) for kind in MODERATION_KINDS),
             "num_actors": num_actors,
             "gpus_per_actor": gpus_per_actor,
             "wall_s": round(wall_s, 3),
-            "completion_tokens_per_s": round(stats["completion_tokens_this_run"] / wall_s, 1),
-            "total_tokens_per_s": round(
-                (stats["prompt_tokens_this_run"] + stats["completion_tokens_this_run"]) / wall_s, 1
-            ),
         }
+        if config.task == "score":
+            summary["prompt_tokens_per_s"] = round(stats["prompt_tokens_this_run"] / wall_s, 1)
+        else:
+            # Also in errors and errors_by_kind: a blocked row is an error row.
+            summary["moderation_blocked"] = sum(stats["errors_by_kind"].get(kind, 0) for kind in MODERATION_KINDS)
+            summary["completion_tokens_per_s"] = round(stats["completion_tokens_this_run"] / wall_s, 1)
+            summary["total_tokens_per_s"] = round(
+                (stats["prompt_tokens_this_run"] + stats["completion_tokens_this_run"]) / wall_s, 1
+            )
         output_lib.write_json_atomically(directory / output_lib.SUMMARY_NAME, summary)
     if stats["rows"] != num_input_rows or stats["unique_ids"] != stats["rows"]:
         raise RuntimeError(
@@ -285,4 +307,4 @@ def _generate(
             pc.sum(batch.column("rows_written")).as_py() or 0
             for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow")
         )
-    logger.info("generated %d rows", written)
+    logger.info("wrote %d rows", written)

@@ -106,6 +106,7 @@ def check_input(files: list[InputFile], config: GenerateConfig) -> None:
         columns.prompt_column: "input.prompt_column",
         **{getattr(columns, n): f"input.{n}" for n in ("id_column", "max_tokens_column", "temperature_column")},
         columns.seed_column: "input.seed_column",
+        columns.continuation_column: "input.continuation_column",
     }
     for file in files:
         schema = pq.read_schema(file.path)
@@ -114,11 +115,12 @@ def check_input(files: list[InputFile], config: GenerateConfig) -> None:
                 raise InputError(
                     f"{file.path} has no column {name!r} (columns: {', '.join(schema.names)}); set {roles[name]}"
                 )
-        prompt_type = schema.field(columns.prompt_column).type
-        if not (
-            pa.types.is_string(prompt_type) or pa.types.is_large_string(prompt_type) or pa.types.is_null(prompt_type)
-        ):
-            raise InputError(f"{file.path}: prompt column {columns.prompt_column!r} is {prompt_type}, not text")
+        for name in (columns.prompt_column, columns.continuation_column):
+            text_type = schema.field(name).type if name else pa.string()
+            if not (
+                pa.types.is_string(text_type) or pa.types.is_large_string(text_type) or pa.types.is_null(text_type)
+            ):
+                raise InputError(f"{file.path}: column {name!r} ({roles[name]}) is {text_type}, not text")
         for name in (columns.max_tokens_column, columns.temperature_column, columns.seed_column):
             if name and not _numeric(schema.field(name).type):
                 raise InputError(f"{file.path}: column {name!r} is {schema.field(name).type}, not a number")

@@ -1,4 +1,4 @@
-"""The output directory of batch generation: ownership, atomic commits, the ids already done, statistics.
+"""The output directory of the batch job (generation or scoring): ownership, atomic commits, the ids already done, statistics.
 
 Layout:
 
@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from gpt2_platform.batch.rows import LOGPROBS_COLUMN, OUTPUT_COLUMNS, error_kind
+from gpt2_platform.batch.rows import OUTPUT_COLUMNS, error_kind
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +66,14 @@ def _is_ours(name: str) -> bool:
     )
 
 
-def _check_columns(path: Path) -> None:
+def _check_columns(path: Path, columns: Sequence[str]) -> None:
     try:
         names = pq.read_schema(path).names
     except (pa.ArrowException, OSError) as error:
         raise OutputError(
             f"{path} is not a readable Parquet file ({error}); the output directory is damaged"
         ) from error
-    missing = [c for c in OUTPUT_COLUMNS if c not in names]
+    missing = [c for c in columns if c not in names]
     if missing:
         raise OutputError(
             f"{path} lacks the output columns {', '.join(missing)}: it is not this job's output; "
@@ -101,11 +103,11 @@ def identity_changes(previous: dict[str, Any], identity: dict[str, Any]) -> list
     return changes
 
 
-def open_output(directory: Path, identity: dict[str, Any]) -> bool:
+def open_output(directory: Path, identity: dict[str, Any], columns: Sequence[str] = OUTPUT_COLUMNS) -> bool:
     """Make `directory` this job's output, or check that it already is; True if it holds earlier work.
 
     `identity` says which input and settings the rows come from; resuming under a different one would mix
-    rows of two jobs, so it is refused.
+    rows of two jobs, so it is refused. `columns`: those every output file of this job holds.
     """
     if directory.exists() and not directory.is_dir():
         raise OutputError(f"output path {directory} is a file; set output.path to a directory")
@@ -144,7 +146,7 @@ def open_output(directory: Path, identity: dict[str, Any]) -> bool:
             "the same input, model and settings to resume it, or choose another output.path"
         )
     for path in part_files(directory):
-        _check_columns(path)
+        _check_columns(path, columns)
     check_writable(directory)
     for leftover in directory.glob(".*.tmp"):
         leftover.unlink()
@@ -192,19 +194,20 @@ def committed_ids(directory: Path) -> set[str]:
     return done
 
 
-def _readable(path: Path) -> pa.Table | None:
+def _readable(path: Path, columns: Sequence[str]) -> pa.Table | None:
     """The file's rows if it is a complete Parquet file with our columns, else None (a write cut short)."""
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError):
         return None
-    return table if all(c in table.column_names for c in OUTPUT_COLUMNS) else None
+    return table if all(c in table.column_names for c in columns) else None
 
 
-def commit_staged(directory: Path, done: set[str]) -> int:
+def commit_staged(directory: Path, done: set[str], columns: Sequence[str] = OUTPUT_COLUMNS) -> int:
     """Move every complete staged file into `directory`, dropping rows already there; delete partial files.
 
     Updates `done` and returns the number of rows committed. Idempotent: safe to repeat after a kill.
+    `columns`: those a complete file of this job holds.
     """
     staging = directory / STAGING_NAME
     if not staging.is_dir():
@@ -212,7 +215,7 @@ def commit_staged(directory: Path, done: set[str]) -> int:
     num_rows = 0
     for run_dir in sorted(p for p in staging.iterdir() if p.is_dir()):
         for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
-            table = _readable(path) if path.suffix == ".parquet" else None
+            table = _readable(path, columns) if path.suffix == ".parquet" else None
             if table is None:
                 logger.info("dropping incomplete staged file %s", path)
                 path.unlink()
@@ -230,8 +233,7 @@ def commit_staged(directory: Path, done: set[str]) -> int:
                 os.replace(path, target)
             else:
                 tmp = directory / f".{target.name}.tmp"
-                columns = [*OUTPUT_COLUMNS, *([LOGPROBS_COLUMN] if LOGPROBS_COLUMN in table.column_names else [])]
-                pq.write_table(table.take(fresh).select(columns), tmp)
+                pq.write_table(table.take(fresh), tmp)
                 os.replace(tmp, target)
                 path.unlink()
             done.update(ids[i] for i in fresh)
@@ -240,9 +242,11 @@ def commit_staged(directory: Path, done: set[str]) -> int:
     return num_rows
 
 
-def output_stats(directory: Path, run_id: str) -> dict[str, Any]:
-    """Counts over every committed row, and over the rows of `run_id`."""
-    columns = ["id", "prompt_tokens", "completion_tokens", "error", "run_id"]
+def output_stats(directory: Path, run_id: str, task: str = "generate") -> dict[str, Any]:
+    """Counts over every committed row, and over the rows of `run_id`; for task score, the totals of the scored
+    rows too (their log-likelihood and tokens, and the perplexity over all of them)."""
+    counted = "scored_tokens" if task == "score" else "completion_tokens"
+    columns = ["id", "prompt_tokens", counted, "error", "run_id", *(["log_likelihood"] if task == "score" else [])]
     files = part_files(directory)
     if files:
         table = pa.concat_tables(pq.read_table(p, columns=columns) for p in files)
@@ -254,6 +258,22 @@ def output_stats(directory: Path, run_id: str) -> dict[str, Any]:
         return int(pc.sum(t.column(column)).as_py() or 0) if t.num_rows else 0
 
     errors = Counter(error_kind(e) for e in table.column("error").to_pylist() if e is not None)
+    if task == "score":
+        scored = tokens(table, "scored_tokens")
+        total = float(pc.sum(table.column("log_likelihood")).as_py() or 0.0) if table.num_rows else 0.0
+        return {
+            "rows": table.num_rows,
+            "unique_ids": len(set(table.column("id").to_pylist())),
+            "errors": sum(errors.values()),
+            "errors_by_kind": dict(sorted(errors.items())),
+            "prompt_tokens": tokens(table, "prompt_tokens"),
+            "scored_tokens": scored,
+            "log_likelihood": total,
+            "perplexity": math.exp(min(-total / scored, 700.0)) if scored else None,
+            "rows_this_run": this_run.num_rows,
+            "prompt_tokens_this_run": tokens(this_run, "prompt_tokens"),
+            "scored_tokens_this_run": tokens(this_run, "scored_tokens"),
+        }
     return {
         "rows": table.num_rows,
         "unique_ids": len(set(table.column("id").to_pylist())),

@@ -1,4 +1,5 @@
-"""The Ray Data actor of batch generation: owns one engine, turns a batch of input rows into output rows."""
+"""The Ray Data actors of the batch job: each owns one engine and turns a batch of input rows into output rows
+(task generate here, task score in score.py); jobs/evaluate.py's actor (evaluate.py) shares EngineWorker."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class WorkerSpec:
     run_id: str
     staging_dir: str  # where this run's actors write their files (output._staging/<run>)
     moderator: Moderator | None = None  # built on the driver from config.moderation; None: moderation off
+    task: str = "generate"  # GenerateConfig.task
 
 
 def _column(batch: pa.Table, name: str | None) -> list:
@@ -68,8 +70,10 @@ def batch_ids(batch: pa.Table, id_column: str | None) -> list[str]:
     return [derived_id(path, row_hash) for path, row_hash in zip(paths, hashes, strict=True)]
 
 
-def sampling_modes(generation: GenerationConfig, columns: InputConfig) -> tuple[str, ...]:
+def sampling_modes(generation: GenerationConfig, columns: InputConfig, task: str = "generate") -> tuple[str, ...]:
     """The decode graphs this job can use, so an actor's warm-up captures only those (others: on first use)."""
+    if task == "score":  # a scored prompt is one eager prefill: no decode graph is ever used
+        return ()
     if columns.temperature_column is None and generation.temperature == 0:
         return ("greedy",)
     return ("greedy", "filtered") if generation.top_k > 0 or generation.top_p < 1.0 else ("greedy", "plain")
@@ -95,12 +99,11 @@ def check_model(spec: WorkerSpec) -> None:
         )
 
 
-class GenerateBatch:
-    """map_batches callable class: input rows (pyarrow) -> output rows (`output_schema`), skipping done ids."""
+class EngineWorker:
+    """A Ray Data actor that owns one engine (thread-safe: Ray Data may run several batches on it at once)."""
 
-    def __init__(self, spec: WorkerSpec, done_ids: list) -> None:
+    def __init__(self, spec: WorkerSpec) -> None:
         constructed_at = time.time()
-        import ray
         import torch
 
         from gpt2_platform.checkpoint import load_pretrained
@@ -112,8 +115,6 @@ class GenerateBatch:
         age = process_age_s()
         started = time.perf_counter()
         self.spec = spec
-        # done_ids is [ObjectRef] (wrapped, so Ray does not resolve it into every constructor call's args).
-        self.done: set[str] = set(ray.get(done_ids[0])) if done_ids else set()
         device = torch.device(spec.device)
         check_model(spec)
         model = load_pretrained(spec.model, device=device).eval()
@@ -124,7 +125,7 @@ class GenerateBatch:
         self.tokenizer_lock = threading.Lock()
         self.engine = Engine(model, self.tokenizer, spec.engine, device=device)
         built = time.perf_counter()
-        self.engine.start(modes=sampling_modes(spec.generation, spec.input))
+        self.engine.start(modes=sampling_modes(spec.generation, spec.input, spec.task))
         self.max_seq_len = self.engine.max_seq_len
         # Start-up is most of a small job's wall time: say where it went, from the process's creation on.
         if age is not None:
@@ -136,13 +137,12 @@ class GenerateBatch:
         self._stop_reporting = threading.Event()
         threading.Thread(target=self._report, name="engine-progress", daemon=True).start()
         logger.info(
-            "engine ready on %s in %.1f s (model %.1f s, engine %.1f s, warm-up %.1f s), %d ids already done",
+            "engine ready on %s in %.1f s (model %.1f s, engine %.1f s, warm-up %.1f s)",
             device,
             time.perf_counter() - started,
             loaded - started,
             built - loaded,
             time.perf_counter() - built,
-            len(self.done),
         )
 
     def _report(self, every_s: float = REPORT_EVERY_S) -> None:
@@ -153,7 +153,20 @@ class GenerateBatch:
         while not self._stop_reporting.wait(every_s):
             now, stats = time.perf_counter(), self.engine.stats()
             steps, tokens = stats["steps"] - before["steps"], stats["generated_tokens"] - before["generated_tokens"]
-            if steps or stats["waiting"]:
+            if self.spec.task == "score" and (stats["prefills"] > before["prefills"] or stats["waiting"]):
+                # Scoring runs prefills only: their tokens are the work.
+                elapsed = now - then
+                logger.info(
+                    "engine: %.0f tokens/s scored in %.1f prefills/s, %d rows finished, %d waiting, idle %.0f%% "
+                    "of the last %.0f s",
+                    (stats["prompt_tokens"] - before["prompt_tokens"]) / elapsed,
+                    (stats["prefills"] - before["prefills"]) / elapsed,
+                    stats["finished"],
+                    stats["waiting"],
+                    100 * (stats["idle_s"] - before["idle_s"]) / elapsed,
+                    elapsed,
+                )
+            elif steps or stats["waiting"]:
                 elapsed = now - then
                 logger.info(
                     "engine: %.0f tokens/s, %.0f steps/s at %.0f rows a step (of %d slots), %d rows finished, "
@@ -169,23 +182,47 @@ class GenerateBatch:
                 )
             before, then = stats, now
 
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop_reporting", None)
+        if stop is not None:
+            stop.set()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+class GenerateBatch(EngineWorker):
+    """map_batches callable class of the batch job: input rows (pyarrow) -> output rows (`output_schema`, or
+    task score's `score.score_schema`), skipping done ids."""
+
+    def __init__(self, spec: WorkerSpec, done_ids: list) -> None:
+        import ray
+
+        super().__init__(spec)
+        # done_ids is [ObjectRef] (wrapped, so Ray does not resolve it into every constructor call's args).
+        self.done: set[str] = set(ray.get(done_ids[0])) if done_ids else set()
+        logger.info("%d ids already done", len(self.done))
+
     def __call__(self, batch: pa.Table) -> pa.Table:
-        """Generate the batch's rows and write them as one staged file; returns how many it wrote.
+        """Generate (or score) the batch's rows not yet done and write them as one staged file; returns how many
+        it wrote.
 
         The actor writes (not a Ray Data write stage after it): see run_generation's `_generate` for why.
         """
-        rows = self.generate(batch)
+        from gpt2_platform.batch.score import score_rows
+
+        ids = batch_ids(batch, self.spec.input.id_column)
+        keep = [i for i, row_id in enumerate(ids) if row_id not in self.done]
+        if len(keep) < batch.num_rows:
+            batch, ids = batch.take(pa.array(keep, pa.int64())), [ids[i] for i in keep]
+        rows = score_rows(self, batch, ids) if self.spec.task == "score" else self.generate(batch, ids)
         if rows.num_rows:
             write_staged(rows, Path(self.spec.staging_dir))
         return pa.table({"rows_written": [rows.num_rows]})
 
-    def generate(self, batch: pa.Table) -> pa.Table:
-        """Input rows (ids already done are skipped) -> output rows (`output_schema`)."""
+    def generate(self, batch: pa.Table, ids: list[str]) -> pa.Table:
+        """Input rows -> output rows (`output_schema`)."""
         spec, columns = self.spec, self.spec.input
-        ids = batch_ids(batch, columns.id_column)
-        keep = [i for i, row_id in enumerate(ids) if row_id not in self.done]
-        if len(keep) < batch.num_rows:
-            batch, ids = batch.take(pa.array(keep, pa.int64())), [ids[i] for i in keep]
         prompts = _column(batch, columns.prompt_column)
         per_row = zip(
             _column(batch, columns.max_tokens_column),
@@ -250,11 +287,3 @@ class GenerateBatch:
             if spec.generation.logprobs:
                 rows[LOGPROBS_COLUMN].append([lp for lp, _ in completion.logprobs] if ok else None)
         return pa.table(rows, schema=schema)
-
-    def __del__(self) -> None:
-        stop = getattr(self, "_stop_reporting", None)
-        if stop is not None:
-            stop.set()
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
