@@ -2,8 +2,9 @@
 
     make demo          (or: python jobs/demo.py)
 
-Runs on an embedded local Ray on a laptop CPU in a few minutes: trains, loads
-the exported model with plain transformers, then serves it with Ray Serve
+Runs on an embedded local Ray on a laptop CPU in a few minutes: trains, evaluates the
+perplexity on held-out stories before and after fine-tuning, loads the exported model
+with plain transformers, then serves it with Ray Serve
 (OpenAI-compatible HTTP), sends a few requests (one streamed), shuts it down,
 and finally generates completions for a Parquet file of prompts with Ray Data.
 """
@@ -33,13 +34,17 @@ def banner(text: str) -> None:
     print(f"\n=== {text} ===", flush=True)
 
 
-def train() -> Path:
-    from gpt2_platform.train.trainer import fit
-
+def tiny_config() -> config_lib.Config:
     corpus = demo_data.write_text(ROOT / "data" / "demo" / "corpus.txt", num_stories=20000)
-    config = config_lib.load(
+    return config_lib.load(
         ROOT / "jobs" / "configs" / "tiny.yaml", [f"data.paths=[{corpus}]", f"run.storage_path={ROOT / 'runs'}"]
     )
+
+
+def train(config: config_lib.Config) -> Path:
+    from gpt2_platform.train.trainer import fit
+
+    corpus = Path(config.data.paths[0])
     run_dir = Path(config.run.storage_path) / config.run.name
     if run_dir.exists():
         # The demo starts fresh each time; a real run of the same name would resume instead.
@@ -66,6 +71,38 @@ def train() -> Path:
     print(f"checkpoint: {result.checkpoint_dir}")
     print(f"model:      {result.model_dir}")
     return result.model_dir
+
+
+def initial_model(config: config_lib.Config) -> Path:
+    """The weights the fine-tuning starts from (a worker seeds with train.seed, then builds the model), saved
+    as a model directory, to evaluate before fine-tuning."""
+    import torch
+
+    from gpt2_platform import checkpoint
+    from gpt2_platform.tokenizer import load_tokenizer
+    from gpt2_platform.train.loading import build_model
+
+    torch.manual_seed(config.train.seed)
+    directory = ROOT / "runs" / "demo-tiny-initial"
+    extra = lambda d: load_tokenizer(config.data.tokenizer).save_pretrained(d)  # noqa: E731
+    checkpoint.save_pretrained(build_model(config.model), directory, overwrite=True, extra=extra)
+    return directory
+
+
+def evaluate(before: Path, after: Path, block_size: int) -> None:
+    """Perplexity and bits per byte on held-out stories, before and after fine-tuning (jobs/evaluate.py's path)."""
+    from gpt2_platform.batch.evaluate import load, run_evaluation
+
+    held_out = demo_data.write_text(ROOT / "data" / "demo" / "held_out.txt", num_stories=300, seed=1)
+    banner(f"evaluating on held-out stories ({held_out}): blocks of {block_size} + 1 tokens, as training packs them")
+    for label, model_dir in (("before fine-tuning:", before), ("after fine-tuning:", after)):
+        overrides = [f"model.path={model_dir}", f"data.paths=[{held_out}]", f"data.block_size={block_size}"]
+        result = run_evaluation(load(None, [*overrides, "progress_bars=false"]))
+        print(
+            f"{label:<20} perplexity {result['perplexity']:7.3f}, {result['bits_per_byte']:.3f} bits per byte "
+            f"({result['scored_tokens']} tokens in {result['wall_s']:.1f} s)"
+        )
+    print(f"the same from the command line: python jobs/evaluate.py --model {after} --data {held_out}")
 
 
 def complete(model_dir: Path) -> None:
@@ -180,7 +217,9 @@ def batch_generate(model_dir: Path) -> None:
 
 def main() -> int:
     def run() -> None:
-        model_dir = train()
+        config = tiny_config()
+        model_dir = train(config)
+        evaluate(initial_model(config), model_dir, config.data.block_size)
         complete(model_dir)
         serve_and_query(model_dir)
         batch_generate(model_dir)

@@ -1,7 +1,8 @@
-"""Generate completions for a Parquet file of prompts with Ray Data (one engine actor per GPU).
+"""Generate completions for a Parquet file of prompts with Ray Data (one engine actor per GPU), or score them.
 
     python jobs/generate.py --input prompts.parquet --output out/ --model runs/demo-tiny/model
     python jobs/generate.py --config jobs/configs/generate-tiny.yaml [--set generation.max_tokens=64 ...]
+    python jobs/generate.py --config jobs/configs/score-tiny.yaml --input texts.parquet --output scored/
     ray job submit --working-dir . -- python jobs/generate.py --input /shared/prompts/ --output /shared/out/ ...
 
 Runs on a running cluster when RAY_ADDRESS is set (as under `ray job submit`), else on an embedded local
@@ -47,9 +48,16 @@ def main(argv: list[str] | None = None) -> int:
         config = load(args.config, [*shortcuts, *args.overrides])
         summary = run_generation(config)
         print(f"summary: {json.dumps(summary, sort_keys=True)}")
+        rows = f"{summary['rows']} rows ({summary['rows_this_run']} this run, {summary['errors']} errors)"
+        if summary["task"] == "score":
+            perplexity = "n/a" if summary["perplexity"] is None else f"{summary['perplexity']:.4f}"
+            print(
+                f"{rows}, {summary['scored_tokens_this_run']} tokens scored in {summary['wall_s']:.1f} s; perplexity "
+                f"over all scored rows {perplexity}; output: {summary['output']}"
+            )
+            return
         print(
-            f"{summary['rows']} rows ({summary['rows_this_run']} this run, {summary['errors']} errors), "
-            f"{summary['completion_tokens_this_run']} tokens generated in {summary['wall_s']:.1f} s "
+            f"{rows}, {summary['completion_tokens_this_run']} tokens generated in {summary['wall_s']:.1f} s "
             f"({summary['completion_tokens_per_s']:.0f} tokens/s); output: {summary['output']}"
         )
 

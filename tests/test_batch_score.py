@@ -3,6 +3,7 @@ transformers, error rows, resume, and the job's identity."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -15,10 +16,10 @@ import torch
 
 import test_batch
 from gpt2_platform.batch import load, run_generation
-from gpt2_platform.batch.output import STAGING_NAME, part_files
+from gpt2_platform.batch.output import STAGING_NAME, SUMMARY_NAME, part_files
 from gpt2_platform.config import ConfigError
 from gpt2_platform.tokenizer import byte_tokenizer
-from test_batch import read_output
+from test_batch import generate_main, read_output
 
 model_dir = test_batch.model_dir  # the fixture: the tiny model (context 256) with the byte tokenizer
 CONTEXT = 256
@@ -37,32 +38,41 @@ def hf_token_logprobs(model_dir: Path, ids: list[int]) -> list[float]:
 hf_token_logprobs.models = {}
 
 
+def score_overrides(path: Path, output: Path, model_dir: Path, *extra: str) -> list[str]:
+    return [
+        "task=score",
+        f"input.paths=[{path}]",
+        "input.id_column=id",
+        f"output.path={output}",
+        "output.progress_bars=false",
+        f"model.path={model_dir}",
+        "engine.dtype=fp32",
+        "engine.max_batch_size=8",
+        "scaling.num_actors=1",
+        "scaling.batch_size=8",
+        *extra,
+    ]
+
+
 def score_config(path: Path, output: Path, model_dir: Path, *extra: str):
-    return load(
-        None,
-        [
-            "task=score",
-            f"input.paths=[{path}]",
-            "input.id_column=id",
-            f"output.path={output}",
-            "output.progress_bars=false",
-            f"model.path={model_dir}",
-            "engine.dtype=fp32",
-            "engine.max_batch_size=8",
-            "scaling.num_actors=1",
-            "scaling.batch_size=8",
-            *extra,
-        ],
-    )
+    return load(None, score_overrides(path, output, model_dir, *extra))
 
 
-def test_scored_rows_match_transformers_and_bad_rows_become_error_rows(ray_cluster, model_dir: Path, tmp_path: Path):
+def test_scored_rows_match_transformers_and_bad_rows_become_error_rows(
+    ray_cluster, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
     texts = [f"alice has {i} apples and bob gives her {i % 7} more." * (1 + i % 3) for i in range(12)]
     texts += ["ab", "z" * (CONTEXT + 1)]  # the shortest text, and one of context + 1 tokens (scored whole)
     bad = [None, "", "x", "y" * (CONTEXT + 2)]
     path = tmp_path / "texts.parquet"
     pq.write_table(pa.table({"id": list(range(len(texts) + len(bad))), "body": texts + bad}), path)
-    summary = run_generation(score_config(path, tmp_path / "out", model_dir, "input.prompt_column=body"))
+    args = [
+        f"--set={option}" for option in score_overrides(path, tmp_path / "out", model_dir, "input.prompt_column=body")
+    ]
+    assert generate_main(args) == 0  # through the job's command line
+    out = capsys.readouterr().out
+    assert "18 rows (18 this run, 4 errors)" in out and "perplexity over all scored rows" in out, out
+    summary = json.loads((tmp_path / "out" / SUMMARY_NAME).read_text())
     rows = read_output(tmp_path / "out")
     assert summary["task"] == "score" and summary["rows"] == len(texts) + len(bad)
     assert summary["errors_by_kind"] == {"null_text": 1, "empty_text": 1, "text_too_short": 1, "text_too_long": 1}
