@@ -68,22 +68,26 @@ def test_decode_attention_writes_the_step_and_attends_up_to_each_rows_own_positi
     assert_close(kv, expected_kv)  # slot 3, not in the batch, untouched
 
 
-def test_write_cache_puts_each_prompt_token_at_its_slot_and_position_from_the_projections_views():
-    # A prefill's keys and values are views of the input projection's (B, T, 3C) output, as the model
-    # makes them; the kernel writes them where the indexed assignment of the torch path does.
+@pytest.mark.parametrize("slots", [[4, 0, 2], [3]], ids=["three-prompts", "one-prompt"])
+def test_a_prefill_view_writes_the_cache_with_the_kernel_where_the_indexed_assignment_does(slots):
+    # The keys and values are views of the input projection's (B, T, 3C) output, as the model makes them.
+    # One prompt is its own case: its flattened slots are a zero-stride view unless copied.
+    from gpt2_platform.engine.cache import KVCache, PrefillView
+
     torch.manual_seed(2)
-    batch, width, heads, dim = 3, 5, 2, 32
-    kv = torch.randn(6, 2, heads, 8, dim)
+    config = preset("tiny")
+    batch, width, heads, dim = len(slots), 5, config.n_head, config.n_embd // config.n_head
     qkv = torch.randn(batch, width, 3 * heads * dim)
-    _, k, v = (t.view(batch, width, heads, dim).transpose(1, 2) for t in qkv.split(heads * dim, dim=2))
-    slots = torch.tensor([4, 0, 2])
-    positions = torch.arange(width).expand(batch, width)
-    expected = kv.clone()
-    expected[slots[:, None], :, :, positions] = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=2)
-    tokens = [t.transpose(1, 2).reshape(-1, heads, dim) for t in (k, v)]
-    assert tokens[0].data_ptr() == k.data_ptr()  # views, not copies
-    kernels.write_cache(*tokens, kv, slots[:, None].expand(batch, width).reshape(-1), positions.reshape(-1))
-    assert torch.equal(kv, expected)  # slots 1, 3, 5 and positions past the prompt untouched
+    q, k, v = (t.view(batch, width, heads, dim).transpose(1, 2) for t in qkv.split(heads * dim, dim=2))
+    slots = torch.tensor(slots)
+    positions = torch.arange(width)[None, :].expand(batch, width)
+    written = {}
+    for kernel_write in (False, True):
+        cache = KVCache(config, 6, 8, torch.float32, torch.device("cpu"))
+        # On CPU the view would not choose the kernel by itself (it runs here in Triton's interpreter).
+        PrefillView(cache, slots, positions, write_kernel=kernel_write).attend(0, q, k, v, 1.0)
+        written[kernel_write] = cache.kv[0]
+    assert written[False].abs().sum() > 0 and torch.equal(written[True], written[False])
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5], ids=["gemv-1", "gemv-3", "cublas-around-our-attention"])

@@ -53,12 +53,18 @@ class PrefillView:
     """On CUDA, write the cache with our kernel (kernels.write_cache); False keeps the indexed assignment
     (jobs/probes/prefill_cost.py times both)."""
 
-    def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
+    def __init__(
+        self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, write_kernel: bool | None = None
+    ) -> None:
+        """`write_kernel`: None chooses (our kernel on CUDA, where Triton is installed); tests force it."""
         self.cache, self.slots, self.positions = cache, slots[:, None], positions
-        self.write_kernel = self.kernel_write and cache.kv[0].is_cuda and kernels.available()
-        if self.write_kernel:  # each token's slot and position, flattened as the kernel reads them
-            self.token_slots = self.slots.expand_as(positions).reshape(-1)
-            self.token_positions = positions.reshape(-1)
+        if write_kernel is None:
+            write_kernel = self.kernel_write and cache.kv[0].is_cuda and kernels.available()
+        self.write_kernel = write_kernel
+        if write_kernel:  # each token's slot and position, flattened as the kernel reads them
+            # contiguous(): for one prompt, reshape keeps the expand's zero stride (a view, not a copy).
+            self.token_slots = self.slots.expand_as(positions).reshape(-1).contiguous()
+            self.token_positions = positions.reshape(-1).contiguous()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         if self.write_kernel:

@@ -402,6 +402,7 @@ def write_cache(
     """
     tokens, heads, head_dim = k.shape
     assert kv.is_contiguous() and kv.shape[1] == 2 and k.stride(2) == 1 and v.stride(2) == 1
+    assert slots.is_contiguous() and positions.is_contiguous(), "one slot and one position a token, contiguous"
     _cache_write_kernel[(tokens,)](
         k,
         v,
