@@ -37,10 +37,10 @@ from gpt2_platform.batch.score import SCORE_PARAMS, log_likelihood, perplexity, 
 from gpt2_platform.batch.worker import EngineWorker, WorkerSpec
 from gpt2_platform.config import ConfigError, DataFormat, build, load_tree
 from gpt2_platform.engine.config import EngineConfig
+from gpt2_platform.train.data import TOKENS_COLUMN
 
 logger = logging.getLogger(__name__)
 
-TOKENS_COLUMN = "tokens"  # train/data.py's
 PACK_BATCH_DOCUMENTS = 256
 """Documents tokenized and packed together: train/data.py build_datasets' batch size, which decides where
 blocks fall, so the same text makes the same blocks here as there."""

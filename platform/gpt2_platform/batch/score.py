@@ -97,7 +97,7 @@ def build_score_request(
 
 def log_likelihood(prompt_logprobs: list, num_scored: int) -> float:
     """The sum of the last `num_scored` tokens' log-probabilities (nats) from a completion's prompt_logprobs."""
-    assert 0 < num_scored < len(prompt_logprobs) + 1 and prompt_logprobs[0] is None
+    assert 0 < num_scored < len(prompt_logprobs) and prompt_logprobs[0] is None
     return math.fsum(entry[0] for entry in prompt_logprobs[-num_scored:])
 
 
