@@ -107,7 +107,6 @@ class ModelRunner:
         self.cache = KVCache(model.config, state, max_seq_len, dtype, device)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.batch_buckets = buckets(num_slots, 1)
-        self.span_buckets = buckets(max_seq_len, min(64, max_seq_len))
         self.prefill_buckets = buckets(max_seq_len, min(16, max_seq_len))
         self.use_graphs = cuda_graphs and device.type == "cuda"
         # The LM head, padded to a multiple of 64 rows: cuBLAS has no fast kernel for an odd row count
@@ -181,6 +180,10 @@ class ModelRunner:
             self.decoder = kernels.TritonDecoder(self.model, self.head)
         elif decode_kernels != "torch":
             raise ValueError(f"decode_kernels must be torch or triton, got {decode_kernels!r}")
+        # The modules' step attends over a span bucket of the cache, masked past each row's position; our
+        # attention kernel reads each row up to its own position whatever the span, so one span serves
+        # every step, and warm-up captures a third of the graphs.
+        self.span_buckets = [max_seq_len] if self.decoder is not None else buckets(max_seq_len, min(64, max_seq_len))
         self.forward, self.pick = self._forward, self._pick
         if compile_step:
             # Batch 1 is specialised, and `pick` has one variant per mode: past dynamo's default
