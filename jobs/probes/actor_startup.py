@@ -4,7 +4,7 @@
 
 The batch job's GPU actor reached our constructor 13-16 s after its process started on the H200
 machine (docs/benchmarks.md), for imports that take about 3 s in a plain Python on the CPU testbed.
-This starts Ray as the jobs do (`init_ray`, which ships the package as a `py_modules` runtime env)
+This starts Ray as the jobs do (`init_ray`: on a local cluster the package reaches workers by PYTHONPATH)
 and times, each from the driver's `.remote()` and from the worker process's own start:
 
 - an empty actor, without and with a GPU;

@@ -67,6 +67,7 @@ def _prepare_local_cluster() -> dict:
       Naming the dashboard (on a port chosen here) in RAY_API_SERVER_ADDRESS points it at this cluster.
     - Ray Train's preemption watcher waits for nodes to be drained, which an embedded one-node cluster never
       is; Ray logs an error-level line for every run that starts it.
+    - The package goes on PYTHONPATH (see below).
     """
     if os.environ.get("RAY_AUTH_MODE", "token").lower() == "token":
         ensure_private_token(os.environ)
@@ -74,6 +75,13 @@ def _prepare_local_cluster() -> dict:
         if _TOKEN_AUTH_NOTICE not in notices.filters:
             notices.addFilter(_TOKEN_AUTH_NOTICE)
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    # The package reaches this cluster's workers by PYTHONPATH, not a py_modules runtime env: they run on
+    # this machine, from these files, and a worker with a runtime env waits for it to be unpacked and cannot
+    # be one of the workers Ray starts ahead (seconds before a batch actor's constructor runs; see
+    # docs/benchmarks.md, batch start-up).
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(PACKAGE_DIR.parent) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent), *filter(None, paths)])
     port = _free_port()
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     return {"dashboard_host": "127.0.0.1", "dashboard_port": port}
@@ -122,7 +130,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             "that cluster, submit it as a job (`ray job submit --working-dir . -- python jobs/...`), or give the "
             "GCS address (host:6379) to connect from a cluster node"
         )
-    kwargs: dict = {"runtime_env": package_runtime_env(), "log_to_driver": True}
+    kwargs: dict = {"log_to_driver": True}
     if address is None:
         # "local", not None: ray.init(None) joins a head that `ray start` recorded in /tmp/ray, which an
         # embedded run never means to do.
@@ -132,6 +140,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             kwargs["num_cpus"] = num_cpus
     else:
         _check_loopback_driver(address)
+        kwargs["runtime_env"] = package_runtime_env()
     ray.init(address=address, **kwargs)
     _quiet_worker_progress_bars()
     logger.info("Ray %s: %s", ray.__version__, ray.cluster_resources())
