@@ -31,8 +31,8 @@ from gpt2_platform.bench.train_step import (  # noqa: E402
     text_batches,
     to_json,
 )
-from gpt2_platform.config import OptimConfig  # noqa: E402
 from gpt2_platform.jobs_common import configure_logging  # noqa: E402
+from gpt2_platform.train.config import OptimConfig  # noqa: E402
 
 logger = logging.getLogger("bench_train")
 

@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "platform"))
 
-from gpt2_platform import config as config_lib  # noqa: E402
 from gpt2_platform import demo_data  # noqa: E402
 from gpt2_platform.jobs_common import run_main  # noqa: E402
+from gpt2_platform.train import config as config_lib  # noqa: E402
 
 logger = logging.getLogger("demo")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 # Run from a checkout without installing: the package lives in platform/.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
-from gpt2_platform import config as config_lib  # noqa: E402
 from gpt2_platform.jobs_common import add_config_arguments, run_main  # noqa: E402
+from gpt2_platform.train import config as config_lib  # noqa: E402
 
 logger = logging.getLogger("train")
 

@@ -25,8 +25,8 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gpt2_platform import config as config_lib  # noqa: E402
 from gpt2_platform import demo_data  # noqa: E402
+from gpt2_platform.train import config as config_lib  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

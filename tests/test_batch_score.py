@@ -17,7 +17,7 @@ import torch
 import test_batch
 from gpt2_platform.batch import load, run_generation
 from gpt2_platform.batch.output import STAGING_NAME, SUMMARY_NAME, part_files
-from gpt2_platform.config import ConfigError
+from gpt2_platform.config_loader import ConfigError
 from gpt2_platform.tokenizer import byte_tokenizer
 from test_batch import generate_main, read_output
 

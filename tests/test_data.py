@@ -13,7 +13,7 @@ import pytest
 import ray.data
 
 from gpt2_platform import demo_data
-from gpt2_platform.config import DataConfig
+from gpt2_platform.train.config import DataConfig
 from gpt2_platform.train.data import TOKENS_COLUMN, DataError, Datasets, build_datasets, find_files
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from gpt2_platform.batch import config as batch_config
 from gpt2_platform.batch.rows import resolve_values
-from gpt2_platform.config import ConfigError
+from gpt2_platform.config_loader import ConfigError
 from gpt2_platform.engine.config import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, EngineConfig
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.serve import errors

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from gpt2_platform.config import OptimConfig
 from gpt2_platform.model import GPT2, preset
+from gpt2_platform.train.config import OptimConfig
 from gpt2_platform.train.parallelize import parallelize
 from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision
 

@@ -19,13 +19,13 @@ import torch
 from safetensors.torch import load_file
 
 from gpt2_platform import checkpoint
-from gpt2_platform.config import ModelConfig
 from gpt2_platform.engine import kernels
 from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.model import GPT2
 from gpt2_platform.tokenizer import byte_tokenizer
 from gpt2_platform.train import loading
+from gpt2_platform.train.config import ModelConfig
 from helpers_unit import kernel_step_and_model_step
 
 BASE = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=257, n_positions=128, bos_token_id=256, eos_token_id=256)

@@ -51,7 +51,8 @@ def test_options_that_cannot_run_are_refused_with_what_to_do():
 
 
 def test_the_training_config_takes_the_loss_options_and_refuses_fused_without_gpus():
-    from gpt2_platform.config import ConfigError, from_dict
+    from gpt2_platform.config_loader import ConfigError
+    from gpt2_platform.train.config import from_dict
 
     config = from_dict({"train": {"vocab_multiple": 64}})
     assert (config.train.loss, config.train.vocab_multiple) == ("logits", 64)

@@ -25,10 +25,10 @@ import torch
 import yaml
 
 from gpt2_platform import checkpoint, demo_data
-from gpt2_platform.config import OptimConfig
 from gpt2_platform.model import GPT2, preset
 from gpt2_platform.monitoring import exporter
 from gpt2_platform.tokenizer import byte_tokenizer
+from gpt2_platform.train.config import OptimConfig
 from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gpt2_platform.config import OptimConfig
+from gpt2_platform.train.config import OptimConfig
 from gpt2_platform.train.parallelize import parallelize
 from gpt2_platform.train.step import Precision, TrainStep, build_optimizer, lr_at, resolve_precision
 from helpers_unit import random_ids, tiny_model

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config
-from gpt2_platform.config import ScalingConfig
+from gpt2_platform.train.config import ScalingConfig
 from gpt2_platform.train.resources import ClusterResourcesError, cluster_room, worker_bundle, workers_that_fit
 from gpt2_platform.train.trainer import fit
 

@@ -14,7 +14,7 @@ import yaml
 
 from conftest import tiny_config
 from gpt2_platform.checkpoint import CONFIG_NAME, WEIGHTS_NAME
-from gpt2_platform.config import ConfigError
+from gpt2_platform.config_loader import ConfigError
 from gpt2_platform.train.loop import HISTORY
 from gpt2_platform.train.resume import (
     OPTIMIZER_STATE,
@@ -145,7 +145,7 @@ def test_a_max_steps_below_the_run_is_refused(run_copy: Path, corpus: Path) -> N
 def test_a_checkpoint_that_fails_to_load_is_passed_over_too(trained: Path, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from gpt2_platform.config import ModelConfig
+    from gpt2_platform.train.config import ModelConfig
     from gpt2_platform.train.loading import build_model
     from gpt2_platform.train.run_checkpoint import read_checkpoint
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gpt2_platform.config import ConfigError
+from gpt2_platform.config_loader import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Batch job configuration (generation or scoring): dataclasses loaded from YAML, with `--set a.b=c` overrides.
 
-The tree mirrors `jobs/configs/generate-*.yaml` and `jobs/configs/score-*.yaml`. It reuses the training
-config's loader (`gpt2_platform.config._build`), so types, unknown keys and
+The tree mirrors `jobs/configs/generate-*.yaml` and `jobs/configs/score-*.yaml`. It goes through the YAML
+loader training uses (`gpt2_platform.config_loader`), so types, unknown keys and
 `--set` behave the same in both jobs.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gpt2_platform.config import ConfigError, build, load_tree
+from gpt2_platform.config_loader import ConfigError, build, load_tree
 from gpt2_platform.engine.config import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, EngineConfig
 from gpt2_platform.moderation import ModerationConfig
 

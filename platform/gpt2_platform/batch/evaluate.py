@@ -35,8 +35,9 @@ import numpy as np
 from gpt2_platform.batch.config import GenerationConfig, InputConfig, ModelConfig, ScalingConfig
 from gpt2_platform.batch.score import SCORE_PARAMS, log_likelihood, perplexity, token_byte_lengths
 from gpt2_platform.batch.worker import EngineWorker, WorkerSpec
-from gpt2_platform.config import ConfigError, DataFormat, build, load_tree
+from gpt2_platform.config_loader import ConfigError, build, load_tree
 from gpt2_platform.engine.config import EngineConfig
+from gpt2_platform.train.config import DataFormat
 from gpt2_platform.train.data import TOKENS_COLUMN
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def _data_context(progress_bars: bool) -> Iterator[None]:
 
 def _training_run(run_dir: Path):
     """The training Config a run directory was made with (its config.yaml)."""
-    from gpt2_platform import config as train_config
+    from gpt2_platform.train import config as train_config
 
     path = run_dir / "config.yaml"
     if not path.is_file():
@@ -175,8 +176,8 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
     from gpt2_platform.batch import fingerprint
     from gpt2_platform.batch.generate import plan_actors, wait_for_resources
     from gpt2_platform.batch.inputs import InputError
-    from gpt2_platform.config import DataConfig
     from gpt2_platform.runtime import init_ray
+    from gpt2_platform.train.config import DataConfig
     from gpt2_platform.train.data import TokenizeAndPack, files_by_format, read_documents
 
     started = time.perf_counter()

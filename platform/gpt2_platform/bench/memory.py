@@ -45,8 +45,8 @@ def run_one(preset_name: str, setup: str, cap_gib: float | None, batch_size: int
     import torch
     import torch.distributed as dist
 
-    from gpt2_platform.config import OptimConfig
     from gpt2_platform.model import GPT2, preset
+    from gpt2_platform.train.config import OptimConfig
     from gpt2_platform.train.loss import LMLoss
     from gpt2_platform.train.parallelize import parallelize
     from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision

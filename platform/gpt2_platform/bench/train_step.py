@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from gpt2_platform.bench.plain_gpt2 import PlainStep
-from gpt2_platform.config import OptimConfig
 from gpt2_platform.model import GPT2, flops_per_token, preset
+from gpt2_platform.train.config import OptimConfig
 from gpt2_platform.train.loss import LMLoss
 from gpt2_platform.train.parallelize import parallelize
 from gpt2_platform.train.step import TrainStep, build_optimizer, lr_at, resolve_precision

@@ -24,8 +24,8 @@ import pyarrow.parquet as pq
 import ray
 import ray.data
 
-from gpt2_platform.config import DataConfig
 from gpt2_platform.tokenizer import load_tokenizer
+from gpt2_platform.train.config import DataConfig
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from gpt2_platform import checkpoint
-from gpt2_platform.config import ModelConfig
 from gpt2_platform.model import GPT2, GPT2Config, preset
+from gpt2_platform.train.config import ModelConfig
 
 
 def model_config(config: ModelConfig) -> GPT2Config:

@@ -18,9 +18,9 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from gpt2_platform.config import Config, from_dict
 from gpt2_platform.model import GPT2, flops_per_token
 from gpt2_platform.train import traces
+from gpt2_platform.train.config import Config, from_dict
 from gpt2_platform.train.loading import build_model
 from gpt2_platform.train.loss import LMLoss
 from gpt2_platform.train.metrics import TrainMetrics

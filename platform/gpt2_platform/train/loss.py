@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gpt2_platform.config import LossImpl
 from gpt2_platform.train import cross_entropy as cross_entropy_kernels
+from gpt2_platform.train.config import LossImpl
 from gpt2_platform.train.cross_entropy import IGNORE_INDEX
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

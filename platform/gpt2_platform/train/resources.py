@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import ray
 
-from gpt2_platform.config import ScalingConfig
+from gpt2_platform.train.config import ScalingConfig
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from gpt2_platform import checkpoint as ckpt
-from gpt2_platform.config import Config, dump
 from gpt2_platform.model import GPT2
+from gpt2_platform.train.config import Config, dump
 from gpt2_platform.train.parallelize import is_sharded
 from gpt2_platform.train.resume import OPTIMIZER_STATE, SCALER_STATE, TRAIN_STATE
 from gpt2_platform.train.step import TrainStep

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from gpt2_platform.config import OptimConfig
+from gpt2_platform.train.config import OptimConfig
 from gpt2_platform.train.loss import LossFn
 from gpt2_platform.train.parallelize import no_sync
 

@@ -14,10 +14,11 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from gpt2_platform import checkpoint as ckpt
-from gpt2_platform.config import Config, ConfigError, dump
+from gpt2_platform.config_loader import ConfigError
 from gpt2_platform.monitoring import exporter
 from gpt2_platform.runtime import init_ray
 from gpt2_platform.tokenizer import load_tokenizer
+from gpt2_platform.train.config import Config, dump
 from gpt2_platform.train.data import TOKENS_COLUMN, Datasets, build_datasets, files_by_format
 from gpt2_platform.train.loading import model_config
 from gpt2_platform.train.loop import HISTORY, train_loop_per_worker

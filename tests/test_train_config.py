@@ -1,4 +1,4 @@
-"""gpt2_platform.config: YAML recipes, `--set` overrides, validation that names the field."""
+"""gpt2_platform.train.config (through config_loader): YAML recipes, `--set` overrides, validation that names the field."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpt2_platform import config as cfg
-from gpt2_platform.config import Config, ConfigError, dump, from_dict, load
+from gpt2_platform.config_loader import ConfigError
+from gpt2_platform.train import config as cfg
+from gpt2_platform.train.config import Config, dump, from_dict, load
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -230,7 +231,7 @@ def test_invalid_values_name_the_field(override: str, field: str) -> None:
     ],
 )
 def test_nan_inf_and_non_positive_peak_are_rejected(override: str, field: str) -> None:
-    # BUG (config.py): the `x < 0` / `x <= 0` checks let NaN (and inf weight decay) through, and
+    # BUG (train/config.py): the `x < 0` / `x <= 0` checks let NaN (and inf weight decay) through, and
     # train.peak_tflops has no check at all; 0 makes throughput.mfu divide by zero at the first log step.
     with pytest.raises(ConfigError, match=f"^{field} must"):
         load(None, [override])
