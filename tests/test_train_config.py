@@ -164,15 +164,15 @@ def test_dump_then_load_round_trips(recipe: Path, tmp_path: Path) -> None:
 
 
 def test_shipped_recipes_load() -> None:
-    """Training recipes load as training configs, generation recipes (generate-*.yaml) as generation configs."""
-    from gpt2_platform.batch import load as load_generate
+    """Training recipes load as training configs, batch recipes (generate-*.yaml, score-*.yaml) as batch configs."""
+    from gpt2_platform.batch import load as load_batch
 
     recipes = sorted((REPO / "jobs" / "configs").glob("*.yaml"))
-    generate = [p for p in recipes if p.name.startswith("generate-")]
-    assert generate and len(recipes) > len(generate)
+    batch = [p for p in recipes if p.name.startswith(("generate-", "score-"))]
+    assert batch and len(recipes) > len(batch)
     for path in recipes:
-        if path in generate:
-            assert load_generate(path).model.path, path
+        if path in batch:
+            assert load_batch(path).model.path, path
             continue
         config = load(path)
         assert from_dict(yaml.safe_load(dump(config))) == config, path
