@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
 from gpt2_platform import envcheck  # noqa: E402
-from gpt2_platform.jobs_common import configure_logging, is_dashboard_url  # noqa: E402
+from gpt2_platform.jobs_common import configure_logging  # noqa: E402
+from gpt2_platform.ray_address import is_dashboard_url  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

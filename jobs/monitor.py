@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Run from a checkout without installing: the package lives in platform/.
 sys.path.insert(0, str(ROOT / "platform"))
 
-from gpt2_platform.jobs_common import is_dashboard_url, run_main  # noqa: E402
+from gpt2_platform.jobs_common import run_main  # noqa: E402
+from gpt2_platform.ray_address import is_dashboard_url  # noqa: E402
 
 logger = logging.getLogger("monitor")
 

@@ -1,11 +1,15 @@
-"""What every entry point in jobs/ shares: logging set-up and user-error handling."""
+"""What every entry point in jobs/ shares: logging set-up, config arguments and user-error handling.
+
+For jobs/ scripts only: the package's own modules import nothing from here."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 from collections.abc import Callable
+
+# jobs/probes/actor_startup.py imports it from here; the probes are being moved (issue 21 item 4).
+from gpt2_platform.worker_process import process_age_s  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -28,35 +32,6 @@ def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
 
 def configure_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def configure_worker_logging(level: int = logging.INFO) -> None:
-    """In a Ray worker process: show this package's log lines (Ray forwards the worker's stderr to the
-    driver). Only the package's logger is set, so Ray's own loggers in the worker keep their levels."""
-    package = logging.getLogger("gpt2_platform")
-    package.setLevel(level)
-    if not package.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        package.addHandler(handler)
-        package.propagate = False
-
-
-def process_age_s() -> float | None:
-    """Seconds since this process started, from Linux's /proc (None where there is none): how long a Ray
-    worker took to reach a line of ours, which a log line's timestamp alone cannot say."""
-    try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
-            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-            return float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def is_dashboard_url(address: str | None) -> bool:
-    """Whether `address` is the dashboard's http(s):// URL: the form `ray job submit` and docs/operating.md
-    use for RAY_ADDRESS, which `ray.init()` cannot join (a driver needs the GCS's host:port)."""
-    return bool(address) and address.split("://", 1)[0] in ("http", "https")
 
 
 def run_main(run: Callable[[], None]) -> int:

@@ -108,8 +108,8 @@ class EngineWorker:
 
         from gpt2_platform.checkpoint import load_pretrained
         from gpt2_platform.engine.engine import Engine
-        from gpt2_platform.jobs_common import configure_worker_logging, process_age_s
         from gpt2_platform.tokenizer import load_tokenizer
+        from gpt2_platform.worker_process import configure_worker_logging, process_age_s
 
         configure_worker_logging()
         age = process_age_s()
