@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
-from gpt2_platform.bench import batch  # noqa: E402
+from gpt2_platform.bench import batch, models  # noqa: E402
 from gpt2_platform.jobs_common import configure_logging  # noqa: E402
 from gpt2_platform.runtime import init_ray  # noqa: E402
 
@@ -48,7 +48,7 @@ def main() -> int:
     prompts = batch.write_prompts(
         work / "prompts.parquet", args.num_prompts, args.min_prompt_tokens, args.max_prompt_tokens
     )
-    model_dir = batch.write_model(work / "model", args.preset)
+    model_dir = models.write_model(work / "model", args.preset)
     max_seq_len = args.max_prompt_tokens + args.new_tokens
     runs = [(args.engine_batch[0], f" run {i + 1}" if args.repeat > 1 else "") for i in range(args.repeat)]
     runs += [(size, "") for size in args.engine_batch[1:]]

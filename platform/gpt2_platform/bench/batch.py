@@ -17,10 +17,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gpt2_platform import checkpoint
-from gpt2_platform.model import GPT2, preset
-from gpt2_platform.tokenizer import byte_tokenizer
-
 logger = logging.getLogger(__name__)
 
 # Printable ASCII: one token per character in the byte tokenizer, so prompt lengths are exact.
@@ -45,13 +41,6 @@ def write_prompts(
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(columns), path)
     return path
-
-
-def write_model(directory: Path, preset_name: str) -> Path:
-    """A preset with fresh weights and the byte tokenizer, as a Hugging Face directory."""
-    return checkpoint.save_pretrained(
-        GPT2(preset(preset_name)), directory, overwrite=True, extra=lambda d: byte_tokenizer().save_pretrained(d)
-    )
 
 
 class HFGenerate:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpt2_platform.bench.batch import write_model
+from gpt2_platform.bench.models import write_model
 
 logger = logging.getLogger(__name__)
 
