@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     # The cluster launcher logs each default it fills in; only its warnings matter here.
     logging.getLogger("ray.autoscaler").setLevel(logging.WARNING)
 
-    from gpt2_platform.deploy_check import DeployConfigError, validate_file
+    from gpt2_platform.ops.deploy_check import DeployConfigError, validate_file
 
     num_failed = 0
     for path in args.paths:

@@ -28,7 +28,7 @@ logger = logging.getLogger("cluster")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpt2_platform import local_cluster
+    from gpt2_platform.ops import local_cluster
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(

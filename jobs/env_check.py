@@ -21,8 +21,8 @@ from pathlib import Path
 # Run from a checkout without installing: the package lives in platform/.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
-from gpt2_platform import envcheck  # noqa: E402
 from gpt2_platform.jobs_common import configure_logging  # noqa: E402
+from gpt2_platform.ops import envcheck  # noqa: E402
 from gpt2_platform.ray_address import is_dashboard_url  # noqa: E402
 
 

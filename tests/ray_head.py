@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpt2_platform.local_cluster import free_ports, reap_marked, signal_group
+from gpt2_platform.ops.local_cluster import free_ports, reap_marked, signal_group
 
 VENV_BIN = Path(sys.executable).parent
 RAY_CLI = str(VENV_BIN / "ray")

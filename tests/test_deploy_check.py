@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gpt2_platform import deploy_check
-from gpt2_platform.deploy_check import DeployConfigError
+from gpt2_platform.ops import deploy_check
+from gpt2_platform.ops.deploy_check import DeployConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_CONFIGS = [REPO / "cluster.yaml", REPO / "deployments" / "cluster-local.yaml"]

@@ -1,4 +1,4 @@
-"""gpt2_platform.envcheck and jobs/env_check.py: real probes on this CPU machine, GPU branches on hand-built reports."""
+"""gpt2_platform.ops.envcheck and jobs/env_check.py: real probes on this CPU machine, GPU branches on hand-built reports."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from conftest import REPO_ROOT
-from gpt2_platform import envcheck
+from gpt2_platform.ops import envcheck
 
 
 def _load_main() -> Callable[[list[str]], int]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpt2_platform import local_cluster
+from gpt2_platform.ops import local_cluster
 
 pytestmark = pytest.mark.slow
 
