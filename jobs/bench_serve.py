@@ -6,8 +6,9 @@
     python jobs/bench_serve.py --plot-from serve.json --plot-out serve.png   # draw the chart later
 
 Each level keeps `concurrency` requests in flight until `--requests` have finished
-(gpt2_platform.bench.load says how they are built and timed). Reported per level and
-mode (--mode stream, nonstream or both): requests/s, generated tokens/s, time to first
+(gpt2_platform.bench.load says how they are built and timed, load_report how they are
+shown). Reported per level and mode (--mode stream, nonstream or both): requests/s,
+generated tokens/s, time to first
 token p50/p99 (streaming: the first chunk; non-streaming: the whole request), latency
 p50/p99, time per output token after the first, failures (429s included), and which
 processes on the machine used the CPU. With --start-preset the engine is first run alone
@@ -21,52 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing
 import os
 import sys
 import urllib.parse
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
-import httpx  # noqa: E402
-
-from gpt2_platform.bench import load, processes  # noqa: E402
+from gpt2_platform.bench import load, load_report  # noqa: E402
 from gpt2_platform.jobs_common import configure_logging  # noqa: E402
 
 logger = logging.getLogger("bench_serve")
-
-
-def engine_baseline(args: argparse.Namespace) -> dict:
-    """The engine alone at batch size = each concurrency level, in a spawned process that exits
-    (and gives its GPU memory back) before the Serve app starts."""
-    import torch
-
-    from gpt2_platform.bench import generation
-
-    if args.temperature > 0:
-        logger.warning(
-            "the engine baseline decodes greedily; the HTTP requests sample at temperature %g", args.temperature
-        )
-    on_gpu = torch.cuda.is_available()
-    runs = 3 if on_gpu else 1  # on a CPU one run of each batch size is already the longest step
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context) as pool:
-        rows = pool.submit(
-            generation.engine_only,
-            args.start_preset,
-            sorted(set(args.concurrency)),
-            args.prompt_tokens,
-            args.max_tokens,
-            args.max_batch_size,
-            "auto",
-            args.compile,
-            runs,
-        ).result()
-    device = torch.cuda.get_device_name(0) if on_gpu else "cpu"
-    return {"device": device, "runs": runs, "greedy": True, "rows": rows}
 
 
 def start_app(args: argparse.Namespace) -> dict:
@@ -89,44 +56,11 @@ def start_app(args: argparse.Namespace) -> dict:
 
 
 def print_level(level: load.LevelResult) -> None:
-    print(load.markdown_row(level, with_engine=False), file=sys.stderr, flush=True)
-    if level.process_cpu is not None:
-        print(f"  {processes.as_line(level.process_cpu)}", file=sys.stderr, flush=True)
-    split = level.engine_split
-    if split is not None:
-        print(
-            f"  engine: {split['steps']} steps, {split['tokens_per_step']:.1f} tokens a step; a first token waited "
-            f"{split['queue_ms']:.2f} ms for a slot and {split['admission_to_first_token_ms']:.2f} ms from "
-            f"admission (means; the rest of the TTFT is HTTP, the ingress and the token link)",
-            file=sys.stderr,
-            flush=True,
-        )
-        gcs = {k: round(v, 2) for k, v in split.items() if "gc" in k}
-        if gcs:
-            print(f"  full garbage collections: {gcs}", file=sys.stderr, flush=True)
-
-
-def print_engine_stats(settings: load.LoadSettings) -> None:
-    with httpx.Client(base_url=settings.url, headers=settings.headers, timeout=settings.timeout_s) as client:
-        stats = client.get("/v1/engine/stats")  # how the replica actually batched (our app only)
-        if stats.status_code == 200:
-            print(f"engine stats: {stats.json()}", file=sys.stderr, flush=True)
-
-
-def print_engine_comparison(levels: list[load.LevelResult]) -> None:
-    rows = [lv for lv in levels if lv.engine_tokens_per_s]
-    if not rows:
-        return
-    print("\nHTTP against the engine alone (same model and shapes, batch size = concurrency):")
-    for level in rows:
-        print(
-            f"  {level.mode} concurrency {level.concurrency}: HTTP {level.generated_tokens_per_s:,.0f} tokens/s, "
-            f"engine {level.engine_tokens_per_s:,.0f} tokens/s, HTTP / engine {level.http_to_engine_ratio:.2f}"
-        )
+    print("\n".join(load_report.level_lines(level)), file=sys.stderr, flush=True)
 
 
 def write_plot(report: dict, path: Path, json_path: Path | None) -> None:
-    if load.plot(report, path) is not None:
+    if load_report.plot(report, path) is not None:
         print(f"wrote {path}")
         return
     later = f"python jobs/bench_serve.py --plot-from {json_path or 'serve.json'} --plot-out {path}"
@@ -214,16 +148,26 @@ def main() -> int:
     modes = list(load.MODES) if args.mode == "both" else [args.mode]
     baseline, app = None, None
     if args.start_preset and args.engine_baseline:
-        baseline = engine_baseline(args)
+        baseline = load.engine_baseline(
+            args.start_preset,
+            args.concurrency,
+            args.prompt_tokens,
+            args.max_tokens,
+            args.max_batch_size,
+            args.compile,
+            args.temperature,
+        )
         print(f"engine alone: {[(r['batch_size'], round(r['tokens_per_s'])) for r in baseline['rows']]} tokens/s")
     if args.start_preset:
         app = start_app(args)
         print(f"replica ready in {app['replica_ready_s']:.1f} s on {app['num_gpus']} GPU(s)", flush=True)
     try:
         model = load.discover_model(settings)
-        print("\n".join(load.markdown_header(with_engine=False)), file=sys.stderr, flush=True)
+        print("\n".join(load_report.markdown_header(with_engine=False)), file=sys.stderr, flush=True)
         levels = load.sweep(settings, args.concurrency, modes, model, on_level=print_level)
-        print_engine_stats(settings)
+        stats = load.engine_stats(settings)  # how the replica actually batched (our app only)
+        if stats is not None:
+            print(f"engine stats: {stats}", file=sys.stderr, flush=True)
     finally:
         if app is not None:
             from gpt2_platform.bench import serve_app
@@ -232,8 +176,10 @@ def main() -> int:
     if baseline is not None:
         load.attach_engine_baseline(levels, {r["batch_size"]: r["tokens_per_s"] for r in baseline["rows"]})
     print(f"{model} at {args.url}: {args.prompt_tokens} prompt + {args.max_tokens} generated tokens per request")
-    print(load.as_markdown(levels))
-    print_engine_comparison(levels)
+    print(load_report.as_markdown(levels))
+    comparison = load_report.engine_comparison_lines(levels)
+    if comparison:
+        print("\n".join(comparison))
     excluded = ("api_key", "json_out", "plot_out", "plot_from")
     config = {k: v for k, v in vars(args).items() if k not in excluded}
     report = {

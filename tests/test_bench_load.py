@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gpt2_platform.bench import load, processes
+from gpt2_platform.bench import load, load_report, processes
 
 MAX_TOKENS = 6
 # Requests whose prompt_ids index is one of these fail, whatever process or order they run in.
@@ -112,8 +112,8 @@ def test_nonstreaming_level_reports_latency_as_ttft(server_url):
     assert level.generated_tokens_per_s * level.seconds == pytest.approx(10 * MAX_TOKENS)
     assert level.ttft_p50_ms == level.latency_p50_ms > 0 and level.ttft_p99_ms == level.latency_p99_ms
     assert math.isnan(level.per_token_p50_ms)
-    assert "= latency" in load.markdown_row(level, with_engine=False)
-    assert "TTFT is the whole request's latency" in load.as_markdown([level])
+    assert "= latency" in load_report.markdown_row(level, with_engine=False)
+    assert "TTFT is the whole request's latency" in load_report.as_markdown([level])
 
 
 def test_level_reports_the_processes_that_used_the_cpu(server_url):
@@ -196,7 +196,7 @@ def test_engine_baseline_sets_the_ratio():
     levels = [_level("stream", 4, 800.0), _level("nonstream", 4, 900.0), _level("stream", 8, 1000.0)]
     load.attach_engine_baseline(levels, {4: 1000.0})
     assert [lv.http_to_engine_ratio for lv in levels] == [pytest.approx(0.8), pytest.approx(0.9), None]
-    assert "1000 (0.80)" in load.as_markdown(levels)
+    assert "1000 (0.80)" in load_report.as_markdown(levels)
 
 
 def test_cli_sweeps_both_modes_and_writes_json_and_plot(server_url, tmp_path):
@@ -236,7 +236,7 @@ def test_plot_from_a_report(tmp_path):
         },
         "levels": [vars(_level(mode, c, 100.0 * c)) for mode in load.MODES for c in (1, 4)],
     }
-    written = load.plot(report, tmp_path / "chart.png")
+    written = load_report.plot(report, tmp_path / "chart.png")
     if not _has_matplotlib():
         assert written is None
         pytest.skip("matplotlib is not installed: only the skip path ran")
@@ -283,3 +283,16 @@ def test_engine_split_gives_per_level_means_from_the_engines_counters():
     assert split["ingress_full_gcs_since_start"] == 7 and round(split["ingress_longest_full_gc_ms"], 6) == 2
     assert load.engine_split(None, after) is None
     assert load.engine_split({"steps": 1}, after) is None  # another server's stats
+
+
+def test_level_lines_and_engine_comparison():
+    level = _level("stream", 4, 800.0)
+    level.engine_split = {"steps": 10, "tokens_per_step": 3.2, "queue_ms": 1.5, "admission_to_first_token_ms": 2.25}
+    level.engine_split["engine_full_gcs"] = 1
+    lines = load_report.level_lines(level)
+    assert lines[0] == load_report.markdown_row(level, with_engine=False)
+    assert "10 steps, 3.2 tokens a step" in lines[1] and "1.50 ms for a slot" in lines[1]
+    assert lines[2] == "  full garbage collections: {'engine_full_gcs': 1}"
+    assert load_report.engine_comparison_lines([level]) == []  # no baseline, no comparison
+    load.attach_engine_baseline([level], {4: 1000.0})
+    assert load_report.engine_comparison_lines([level])[-1].endswith("engine 1,000 tokens/s, HTTP / engine 0.80")

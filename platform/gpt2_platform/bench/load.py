@@ -3,7 +3,8 @@
 Every request has the same prompt length (token ids, so the length is exact whatever the
 tokenizer) and generates exactly `max_tokens` tokens (ignore_eos). A streaming request's time to
 first token is its first chunk; a non-streaming request's first token arrives with its last, so
-its TTFT is its whole latency. Needs only httpx (and psutil, optional, for the process CPU line).
+its TTFT is its whole latency. Needs only httpx (and psutil, optional, for the process CPU line);
+the engine-alone baseline, for a local app only, needs torch. load_report.py formats the results.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
@@ -291,6 +291,44 @@ def summarise(
     )
 
 
+def engine_baseline(
+    preset_name: str,
+    concurrency_levels: list[int],
+    prompt_tokens: int,
+    max_tokens: int,
+    max_batch_size: int,
+    compile_step: bool | None,
+    temperature: float,
+) -> dict:
+    """The engine alone at batch size = each concurrency level, in a spawned process that exits
+    (and gives its GPU memory back) before the Serve app starts."""
+    import multiprocessing
+
+    import torch
+
+    from gpt2_platform.bench import generation
+
+    if temperature > 0:
+        logger.warning("the engine baseline decodes greedily; the HTTP requests sample at temperature %g", temperature)
+    on_gpu = torch.cuda.is_available()
+    runs = 3 if on_gpu else 1  # on a CPU one run of each batch size is already the longest step
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context) as pool:
+        rows = pool.submit(
+            generation.engine_only,
+            preset_name,
+            sorted(set(concurrency_levels)),
+            prompt_tokens,
+            max_tokens,
+            max_batch_size,
+            "auto",
+            compile_step,
+            runs,
+        ).result()
+    device = torch.cuda.get_device_name(0) if on_gpu else "cpu"
+    return {"device": device, "runs": runs, "greedy": True, "rows": rows}
+
+
 def attach_engine_baseline(levels: list[LevelResult], engine_tokens_per_s: dict[int, float]) -> None:
     """Set each level's engine tokens/s (at batch size = its concurrency) and HTTP / engine."""
     for level in levels:
@@ -382,106 +420,3 @@ def sweep(
         if pool is not None:
             pool.shutdown()
     return levels
-
-
-def _ms_pair(p50: float, p99: float, digits: int) -> str:
-    if math.isnan(p50):
-        return "-"
-    return f"{p50:.{digits}f} / {p99:.{digits}f}"
-
-
-def markdown_header(with_engine: bool) -> list[str]:
-    engine = " engine tokens/s (HTTP / engine) |" if with_engine else ""
-    return [
-        f"| mode | concurrency | requests (failed) | requests/s | generated tokens/s |{engine} TTFT p50 / p99 ms "
-        "| latency p50 / p99 ms | per token p50 / p99 ms | client CPU % |",
-        "|---|---:|---:|---:|---:|" + ("---:|" if with_engine else "") + "---:|---:|---:|---:|",
-    ]
-
-
-def markdown_row(level: LevelResult, with_engine: bool) -> str:
-    engine = ""
-    if with_engine:
-        engine = (
-            f" {level.engine_tokens_per_s:.0f} ({level.http_to_engine_ratio:.2f}) |"
-            if level.engine_tokens_per_s
-            else " - |"
-        )
-    ttft = _ms_pair(level.ttft_p50_ms, level.ttft_p99_ms, 1) if level.mode == "stream" else "= latency"
-    return (
-        f"| {level.mode} | {level.concurrency} | {level.requests} ({level.failed}) | {level.requests_per_s:.2f} "
-        f"| {level.generated_tokens_per_s:.0f} |{engine} {ttft} "
-        f"| {_ms_pair(level.latency_p50_ms, level.latency_p99_ms, 1)} "
-        f"| {_ms_pair(level.per_token_p50_ms, level.per_token_p99_ms, 2)} | {level.client_cpu_pct:.0f} |"
-    )
-
-
-def as_markdown(levels: list[LevelResult]) -> str:
-    with_engine = any(level.engine_tokens_per_s for level in levels)
-    lines = markdown_header(with_engine) + [markdown_row(level, with_engine) for level in levels]
-    if any(level.mode == "nonstream" for level in levels):
-        lines += ["", "nonstream: the first token arrives with the last, so TTFT is the whole request's latency."]
-    return "\n".join(lines)
-
-
-def plot(report: dict, path: Path) -> Path | None:
-    """Tokens/s and TTFT p99 against concurrency, per mode, with the engine alone as a reference;
-    None when matplotlib is not installed (it is not a dependency of the project)."""
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-    from matplotlib.ticker import FuncFormatter
-
-    figure, (throughput, ttft) = pyplot.subplots(1, 2, figsize=(11, 4.2))
-    for mode, marker in zip(MODES, ("o", "s"), strict=True):
-        levels = sorted((lv for lv in report["levels"] if lv.get("mode", "stream") == mode), key=_concurrency)
-        if not levels:
-            continue
-        x = [lv["concurrency"] for lv in levels]
-        throughput.plot(x, [lv["generated_tokens_per_s"] for lv in levels], marker=marker, label=f"HTTP, {mode}")
-        # Non-streaming: the first token comes with the last, so its TTFT is the request's latency.
-        label = "TTFT p99, stream" if mode == "stream" else "latency p99 (= TTFT), nonstream"
-        ttft.plot(x, [lv["ttft_p99_ms"] for lv in levels], marker=marker, label=label)
-    engine_rows = sorted((report.get("engine_baseline") or {}).get("rows", []), key=lambda r: r["batch_size"])
-    if engine_rows:
-        throughput.plot(
-            [r["batch_size"] for r in engine_rows],
-            [r["tokens_per_s"] for r in engine_rows],
-            linestyle="--",
-            marker="x",
-            color="black",
-            label="engine alone (batch = concurrency)",
-        )
-    concurrency_levels = sorted({lv["concurrency"] for lv in report["levels"]})
-    for axes in (throughput, ttft):
-        axes.set_xscale("log", base=2)
-        axes.set_xticks(concurrency_levels, [str(c) for c in concurrency_levels])
-        axes.minorticks_off()
-        axes.set_xlabel("concurrent requests")
-        axes.grid(True, alpha=0.3)
-        axes.legend(fontsize=8)
-    throughput.set_ylabel("generated tokens/s")
-    throughput.set_title("throughput", fontsize=10)
-    ttft.set_ylabel("ms (log scale)")
-    ttft.set_yscale("log")  # from tens of ms at one request to seconds once requests queue
-    plain = FuncFormatter(lambda value, _: f"{value:g}")
-    ttft.yaxis.set_major_formatter(plain)
-    ttft.yaxis.set_minor_formatter(plain)
-    ttft.set_title("time to first token, p99", fontsize=10)
-    config = report.get("config", {})
-    figure.suptitle(
-        f"{report.get('model', '?')}: {config.get('prompt_tokens', '?')} prompt + "
-        f"{config.get('max_tokens', '?')} generated tokens per request"
-    )
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    pyplot.close(figure)
-    return path
-
-
-def _concurrency(level: dict) -> int:
-    return level["concurrency"]
