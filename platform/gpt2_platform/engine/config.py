@@ -2,7 +2,7 @@
 
 `EngineConfig` is the one dataclass that Serve (`args.engine`) and the batch
 job (`engine:`) both take: Serve validates it through pydantic, the batch job
-through the YAML loader (`gpt2_platform.config.build`), and both show the
+through the YAML loader (`gpt2_platform.config_loader.build`), and both show the
 `engine.<field>` that `__post_init__` names when a value is wrong. The bounds
 are checked by `SamplingParams`, Serve's request schemas and the batch job's
 config and rows, so every entry point refuses what the engine would. This
