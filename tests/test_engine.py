@@ -490,32 +490,6 @@ def test_an_echoed_prompt_is_scored_with_transformers_log_softmax_alone_or_befor
     assert (plain.token_ids, plain.text) == (alone.token_ids, alone.text)
 
 
-def test_a_packed_prefill_fills_the_cache_and_picks_the_first_tokens_as_the_padded_one(model):
-    # A batch job's large groups run packed (no padding); a server's few prompts padded. Same cache, same tokens,
-    # sampled or greedy, whatever the lengths and slots.
-    from gpt2_platform.engine.runner import PACKED_PREFILL_MIN_PROMPTS, ModelRunner
-
-    runners = {
-        packed: ModelRunner(model, 24, 128, torch.float32, torch.device("cpu"), False, packed_prefill=packed)
-        for packed in (True, False)
-    }
-    count = PACKED_PREFILL_MIN_PROMPTS + 2
-    prompts = [[(11 * i + 3 * j) % 250 + 1 for j in range(1 + (37 * i) % 127)] for i in range(count)]
-    slots = [(7 * i) % 24 for i in range(count)]
-    for runner in runners.values():
-        for i, slot in enumerate(slots):
-            runner.set_sampling(slot, 0.0 if i % 2 else 0.9, 0, 1.0, seed=i)
-    first = {packed: runner.prefill(prompts, slots) for packed, runner in runners.items()}
-    packed, padded = runners[True], runners[False]
-    assert (packed.packed_prefills, padded.packed_prefills) == (1, 0)
-    assert first[True] == first[False]
-    for slot, prompt in zip(slots, prompts, strict=True):
-        for ours, theirs in zip(packed.cache.kv, padded.cache.kv, strict=True):
-            torch.testing.assert_close(ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)])
-        assert packed.positions[slot].item() == len(prompt) and packed.steps[slot].item() == 1
-    assert packed.tokens.tolist() == padded.tokens.tolist()
-
-
 def test_max_tokens_0_needs_echo_and_an_echoed_prompt_must_fit_the_context(engine):
     with pytest.raises(ValueError, match=r"max_tokens must be >= 1 \(0 only with echo\)"):
         engine.generate([[1, 2]], GenerationParams(max_tokens=0, logprobs=1))

@@ -173,32 +173,6 @@ def test_a_prefill_replayed_as_a_graph_fills_the_cache_and_picks_as_the_eager_on
     assert any(key[0] == 4 for key in graphed.prefill_graphs)
 
 
-def test_a_packed_prefill_on_gpu_fills_the_cache_as_the_padded_graphs_do_in_bf16():
-    # Variable-length flash attention takes no fp32: bf16, with its tolerance, against the padded path.
-    from gpt2_platform.engine.runner import PACKED_PREFILL_MIN_PROMPTS, ModelRunner
-
-    torch.manual_seed(0)
-    model = GPT2(preset("tiny"))
-    device = torch.device("cuda")
-    runners = {
-        packed: ModelRunner(model, 48, 128, torch.bfloat16, device, cuda_graphs=True, packed_prefill=packed)
-        for packed in (True, False)
-    }
-    count = PACKED_PREFILL_MIN_PROMPTS + 20
-    prompts = [[(11 * i + 3 * j) % 250 + 1 for j in range(1 + (37 * i) % 127)] for i in range(count)]
-    slots = [(7 * i) % 48 for i in range(count)]
-    for runner in runners.values():
-        runner.prefill(prompts, slots)
-    packed, padded = runners[True], runners[False]
-    assert (packed.packed_prefills, padded.packed_prefills) == (1, 0)
-    for slot, prompt in zip(slots, prompts, strict=True):
-        for ours, theirs in zip(packed.cache.kv, padded.cache.kv, strict=True):
-            torch.testing.assert_close(
-                ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)], atol=2e-2, rtol=2e-2
-            )
-        assert packed.positions[slot].item() == len(prompt) and packed.steps[slot].item() == 1
-
-
 def test_engine_bf16_sampling_is_reproducible_per_seed_on_gpu():
     from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams
     from gpt2_platform.engine.sampling import SamplingParams

@@ -8,7 +8,6 @@ code runs eagerly.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -18,7 +17,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpt2_platform.engine import kernels
-from gpt2_platform.engine.cache import KVCache, PackedPrefillView, varlen_attention_available
+from gpt2_platform.engine.cache import KVCache
 from gpt2_platform.engine.config import MAX_LOGPROBS
 from gpt2_platform.engine.sampling import sample, token_logprobs
 from gpt2_platform.model import GPT2
@@ -46,11 +45,6 @@ GRAPHED_PREFILL_TOKENS = 8192
 # that a Serve replica's start-up does not pay for shapes it may never see (with all of them captured at
 # warm-up, the batch actor's warm-up grew: docs/benchmarks.md, current batch figures).
 WARM_PREFILL_TOKENS = 4096
-# From this many prompts admitted together, a prefill runs packed (engine/cache.py PackedPrefillView): the
-# prompts back to back without padding, one eager forward with variable-length attention. A batch job's
-# groups of about 50 prompts of 32-128 tokens, padded to 64 rows of the longest one's power-of-two width,
-# were half padding (jobs/probes/prefill_cost.py); below this, a server's few prompts keep their graphs.
-PACKED_PREFILL_MIN_PROMPTS = 16
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -100,10 +94,7 @@ class ModelRunner:
         compile_step: bool = False,
         vocab_limit: int | None = None,
         decode_kernels: str = "torch",
-        packed_prefill: bool | None = None,
     ) -> None:
-        """`packed_prefill`: run large prefills packed (PACKED_PREFILL_MIN_PROMPTS); None: on CUDA in bf16 or
-        fp16, where torch has variable-length (flash) attention, which takes no fp32."""
         self.model = model.to(device=device, dtype=dtype).eval()
         # Ids at or past the limit are never sampled: a model's vocabulary is often padded past its
         # tokenizer's (50304 for 50257), and those ids decode to nothing.
@@ -173,17 +164,6 @@ class ModelRunner:
             torch.zeros(self.staged_prompts.shape, dtype=torch.long, pin_memory=pinned) for _ in range(2)
         ]
         self.host_firsts = [torch.zeros(num_slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
-        if packed_prefill is None:
-            packed_prefill = (
-                device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and varlen_attention_available()
-            )
-        self.packed_prefill = packed_prefill
-        self.packed_prefills = 0  # how many ran packed
-        # A packed prefill's inputs, one row each: tokens, positions, slots (one per token), then each
-        # prompt's last token's index and the prompts' cumulative lengths (from 0).
-        packed_shape = (5, num_slots * max_seq_len + 1)
-        self.host_packed = [torch.zeros(packed_shape, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
-        self.staged_packed = torch.zeros(packed_shape, dtype=torch.long, device=device)
         self._prefill_done: list[torch.cuda.Event | None] = [None, None]  # when each host buffer is free again
         self.prefills = 0
         self.prompt_positions = torch.arange(max_seq_len, device=device)[None, :]
@@ -277,8 +257,7 @@ class ModelRunner:
             [self.greedy[s] for s in slots], [self.limited[s] for s in slots], [self.logprobs[s] for s in slots]
         )
         bucket = bucket_for(batch, self.prefill_batch_buckets) if batch <= self.graphed_prefill_max else batch
-        packed = self.packed_prefill and not echo and batch >= PACKED_PREFILL_MIN_PROMPTS
-        graphed = self._graphed_prefill(bucket, width) and not echo and not packed
+        graphed = self._graphed_prefill(bucket, width) and not echo
         rows_in = bucket if graphed else batch  # a graph's batch takes padding rows
         host = self.host_prompts[buffer]
         rows = host.numpy()
@@ -288,8 +267,7 @@ class ModelRunner:
             last = min(len(prompt), self.max_seq_len) - 1
             rows[row, _SLOT], rows[row, _LAST], rows[row, _TOP_K], rows[row, _SEED] = slot, last, top_k, seed
             as_float[row, _TEMPERATURE], as_float[row, _TOP_P] = temperature, top_p
-            if not packed:
-                rows[row, PROMPT_HEADER : PROMPT_HEADER + len(prompt)] = prompt
+            rows[row, PROMPT_HEADER : PROMPT_HEADER + len(prompt)] = prompt
         # A graph's padding rows: greedy, one token long, into the scratch slot.
         rows[batch:rows_in, :PROMPT_HEADER] = [self.scratch_slot, 0, 0, 0, 0, 0]
         as_float[batch:rows_in, _TOP_P] = 1.0
@@ -297,11 +275,9 @@ class ModelRunner:
         # Only the columns some prompt reaches: padding past a prompt is never read as its own. Causal
         # attention keeps an earlier prompt's tokens left there out of this one's outputs, and decode steps
         # overwrite those positions' cache entries before they read them.
-        columns = PROMPT_HEADER if packed else PROMPT_HEADER + longest
+        columns = PROMPT_HEADER + longest
         self.staged_prompts[:rows_in, :columns].copy_(host[:rows_in, :columns], non_blocking=True)
-        if packed:
-            out = self._stage_packed(prompts, slots, buffer, mode)
-        elif graphed:
+        if graphed:
             graph, out = self.prefill_graphs.get((rows_in, width, mode)) or self._capture_prefill(rows_in, width, mode)
             graph.replay()
         else:
@@ -326,6 +302,10 @@ class ModelRunner:
         t + 1; a row's columns past its own prompt are padding).
         """
         slots, last = rows[:, _SLOT], rows[:, _LAST]
+        self.temperature[slots] = rows[:, _TEMPERATURE].view(torch.float64).float()
+        self.top_k[slots] = rows[:, _TOP_K]
+        self.top_p[slots] = rows[:, _TOP_P].view(torch.float64).float()
+        self.seed[slots] = rows[:, _SEED]
         tokens = rows[:, PROMPT_HEADER : PROMPT_HEADER + width]  # (B, T)
         positions = self.prompt_positions[:, :width].expand(rows.shape[0], width)
         view = self.cache.prefill(slots, positions)
@@ -335,58 +315,6 @@ class ModelRunner:
         if echo:  # (B, T, C): every position's, for the prompt's own log-probabilities
             prompt_logprobs = self._prompt_logprobs(hidden, rows[:, PROMPT_HEADER + 1 : PROMPT_HEADER + 1 + width])
             hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, C)
-        out = self._first_tokens(rows, hidden, mode)
-        return out if prompt_logprobs is None else (out, prompt_logprobs)
-
-    def _stage_packed(self, prompts: list[list[int]], slots: list[int], buffer: int, mode: str):
-        """Prompts (all shorter than the context) into their slots from one packed forward; as `_prefill`."""
-        self.packed_prefills += 1
-        lengths = np.fromiter((len(p) for p in prompts), np.int64, len(prompts))
-        ends = np.cumsum(lengths)
-        total, batch = int(ends[-1]), len(prompts)
-        host = self.host_packed[buffer].numpy()
-        host[0, :total] = np.fromiter(itertools.chain.from_iterable(prompts), np.int64, total)
-        host[1, :total] = np.arange(total) - np.repeat(ends - lengths, lengths)
-        host[2, :total] = np.repeat(np.asarray(slots, np.int64), lengths)
-        host[3, :batch] = ends - 1
-        host[4, 0], host[4, 1 : batch + 1] = 0, ends
-        staged = self.staged_packed
-        for row, count in ((0, total), (1, total), (2, total), (3, batch), (4, batch + 1)):
-            staged[row, :count].copy_(self.host_packed[buffer][row, :count], non_blocking=True)
-        bounds = [0, *ends.tolist()]
-        return self._prefill_packed(
-            self.staged_prompts[:batch, :PROMPT_HEADER], staged[:3, :total], staged[3, :batch], staged[4, : batch + 1],
-            bounds, mode,
-        )  # fmt: skip
-
-    def _prefill_packed(
-        self,
-        rows: torch.Tensor,
-        inputs: torch.Tensor,
-        last: torch.Tensor,
-        starts: torch.Tensor,
-        bounds: list[int],
-        mode: str,
-    ):
-        """Packed prompts into their slots; the first token of each, as `_prefill` leaves them.
-
-        `rows` `(B, PROMPT_HEADER)`: each prompt's header; `inputs` `(3, N)`: every prompt's tokens back to
-        back, with each token's position and slot; `last` `(B,)`: the index of each prompt's last token in
-        `inputs`; `starts` `(B + 1,)`: where each prompt begins (and N), and `bounds` the same on the host.
-        """
-        tokens, positions, token_slots = inputs
-        view = PackedPrefillView(self.cache, token_slots, positions, starts, bounds)
-        hidden = self.model.hidden(tokens[None], positions=positions[None], cache=view, hidden_at=last)  # (B, C)
-        return self._first_tokens(rows, hidden, mode)
-
-    def _first_tokens(self, rows: torch.Tensor, hidden: torch.Tensor, mode: str):
-        """Each prompt's first token from its last position's `hidden` `(B, C)`, with the sampling parameters of
-        its header row; leaves the token, the position after the prompt and step 1 in its slot."""
-        slots, last = rows[:, _SLOT], rows[:, _LAST]
-        self.temperature[slots] = rows[:, _TEMPERATURE].view(torch.float64).float()
-        self.top_k[slots] = rows[:, _TOP_K]
-        self.top_p[slots] = rows[:, _TOP_P].view(torch.float64).float()
-        self.seed[slots] = rows[:, _SEED]
         logits = self._logits(hidden)
         # The same choice of pick as a decode step's (`_mode`): for greedy rows only, the argmax without
         # sample's float64 sort and noise over the whole vocabulary.
@@ -406,7 +334,8 @@ class ModelRunner:
         self.tokens[slots] = first
         self.positions[slots] = torch.clamp(last + 1, max=self.max_seq_len - 1)
         self.steps.index_fill_(0, slots, 1)  # a Python scalar here would be a host copy, refused in a capture
-        return (first, *token_logprobs(logits, first, MAX_LOGPROBS)) if with_logprobs else first
+        out = (first, *token_logprobs(logits, first, MAX_LOGPROBS)) if with_logprobs else first
+        return out if prompt_logprobs is None else (out, prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probabilities of `targets` `(B, T)` (each position's next token) from `hidden` `(B, T, C)`, with
