@@ -25,8 +25,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check platform jobs tests
-	$(VENV)/bin/ruff format --check platform jobs tests
+	$(VENV)/bin/ruff check platform jobs tools tests
+	$(VENV)/bin/ruff format --check platform jobs tools tests
 
 bench: $(STAMP)
 	$(PY) jobs/bench_train.py

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_ROOTS = ("platform", "jobs", "tests")
+SOURCE_ROOTS = ("platform", "jobs", "tools", "tests")
 # Stems that are conventions, not importable module names.
 ALLOWED_STEMS = {"__init__", "__main__", "conftest"}
 SKIPPED_DIRS = {".venv", "__pycache__"}
@@ -102,7 +102,7 @@ def _python_names(root: Path) -> list[tuple[str, Path]]:
 def test_collector_sees_the_package() -> None:
     # Guards the clash check below against walking nothing.
     found = {name for root in SOURCE_ROOTS for name, _ in _python_names(REPO / root)}
-    assert {"gpt2_platform", "train", "model", "checkpoint", "config", "test_layout"} <= found
+    assert {"gpt2_platform", "train", "model", "checkpoint", "config", "probes", "test_layout"} <= found
 
 
 def test_no_module_or_package_is_named_after_a_stdlib_module() -> None:

@@ -2,7 +2,7 @@
 
 A request's objects can outlive a few young collections and reach the oldest generation, and each
 full collection walks everything the process holds: torch, transformers, Ray and FastAPI, about 330K
-objects and some 200 ms on a 2-core machine (jobs/probes/gc_pause.py). Every stream that process
+objects and some 200 ms on a 2-core machine (tools/probes/gc_pause.py). Every stream that process
 serves waits meanwhile. How often full collections came under load was not measured. `settle()` after start-up moves what the
 process holds by then into the permanent generation, which no collection walks; `GcPauses` counts
 the pauses per generation, so a benchmark can show what is left of them.

@@ -8,9 +8,6 @@ import argparse
 import logging
 from collections.abc import Callable
 
-# jobs/probes/actor_startup.py imports it from here; the probes are being moved (issue 21 item 4).
-from gpt2_platform.worker_process import process_age_s  # noqa: F401
-
 logger = logging.getLogger(__name__)
 
 # Errors that mean "the input was wrong": one clear line and exit status 2, no traceback.

@@ -51,7 +51,7 @@ class PrefillView:
 
     kernel_write = True
     """On CUDA, write the cache with our kernel (kernels.write_cache); False keeps the indexed assignment
-    (jobs/probes/prefill_cost.py times both)."""
+    (tools/probes/prefill_cost.py times both)."""
 
     def __init__(
         self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, write_kernel: bool | None = None

@@ -42,7 +42,7 @@ class EngineConfig:
     with `decode_kernels` triton, only its token pick.
 
     None: on CUDA only. On an H200 it made GPT-2's step 25% faster (docs/benchmarks.md); on a CPU its
-    warm-up takes minutes (124 s for the tiny preset on 2 cores, jobs/probes/compile_warmup.py)."""
+    warm-up takes minutes (124 s for the tiny preset on 2 cores, tools/probes/compile_warmup.py)."""
     decode_kernels: DecodeKernels = "auto"
     """The model's part of a decode step: "triton" (our fused kernels, engine/kernels.py), "torch" (the
     model's own modules, compiled with `compile`), or "auto": triton on CUDA where triton is installed."""

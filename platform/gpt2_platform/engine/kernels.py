@@ -322,7 +322,7 @@ def _launch(pdl: bool) -> dict:
 GEMV_MAX_BATCH = 4
 """Up to this many rows, linears run as our GEMV kernel; past it, as cuBLAS GEMMs (see `TritonDecoder`).
 
-Where the two cross on an H200 (graph replay of the whole step, jobs/probes/decode_step_variants.py;
+Where the two cross on an H200 (graph replay of the whole step, tools/probes/decode_step_variants.py;
 figures in docs/benchmarks.md, sessions 6-8): the GEMV wins clearly at 1-4 rows and loses from 8, because
 it reads the weights once per row."""
 
@@ -330,7 +330,7 @@ it reads the weights once per row."""
 def linear_config(n: int, k: int) -> dict[str, int]:
     """Tile sizes for `ln_linear`: a GEMV, one row a program (the grid's second axis runs over rows).
 
-    At batch 1 on an H200 (jobs/probes/triton_kernels.py, weights hot in L2; figures in
+    At batch 1 on an H200 (tools/probes/triton_kernels.py, weights hot in L2; figures in
     docs/benchmarks.md), 8 output columns a program with whole 1,024-wide rows of K loaded at once was
     the fastest of seven tilings for every linear of GPT-2 124M, and beat cuBLAS plus torch's layer
     norm on each. Tiles of several rows (`tl.dot` at 16-64 rows, or products of 4 rows with K cut to 256
@@ -396,7 +396,7 @@ def write_cache(
     projection) into the layer's cache `kv` `(slots, 2, H, T, D)` at `slots`, `positions` `(N,)`.
 
     Why not an indexed assignment: a prefill's write went through torch's generic index kernel plus a
-    stack of k and v, about a third of a batch job's prefill (jobs/probes/prefill_cost.py). One program a
+    stack of k and v, about a third of a batch job's prefill (tools/probes/prefill_cost.py). One program a
     token reads its keys and values where the projection left them and writes each head's D values
     contiguously.
     """
@@ -440,7 +440,7 @@ def decode_attention(
     batch = qkv.shape[0]
     _, two, heads, _, head_dim = kv.shape
     if block_t is None:
-        # H200, position 200 (jobs/probes/triton_kernels.py): at batch 1, 256 positions a block took
+        # H200, position 200 (tools/probes/triton_kernels.py): at batch 1, 256 positions a block took
         # 3.8 us against 7.4 at 64 (and 16.3 for the cache write and masked SDPA of the torch path);
         # at batch 64, 128 took 11.3 us against 13.5 at 256 (torch: 34.1). From 256 rows, where the
         # attention is most of the step, 64 positions and 2 warps a program read the cache fastest

@@ -35,7 +35,7 @@ first use, so steps that nobody asks them of run exactly as before."""
 _SLOT, _LAST, _TEMPERATURE, _TOP_K, _TOP_P, _SEED, PROMPT_HEADER = range(7)
 # Prompts admitted together up to this many, and up to this many tokens with their padding, replay a
 # prefill graph; more (a batch job's first wave) take one eager prefill, whose launches cost milliseconds
-# of host time (jobs/probes/prefill_batching.py). A batch job at 1,024 slots admits about 4,096 prompt
+# of host time (tools/probes/prefill_batching.py). A batch job at 1,024 slots admits about 4,096 prompt
 # tokens (engine.max_prefill_tokens) at a time all through the run, not only in its first wave: up to 64
 # prompts padded to 128, which a limit of 32 sent eager, and its host time per step was then the
 # bottleneck (py-spy profile of the 100,000-prompt job, docs/benchmarks.md).
@@ -70,7 +70,7 @@ def argmax_in_blocks(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     small (11 us of an H200 decode step at batch 1), and inductor does not split an argmax itself.
     Ties go to the first index, as with argmax: the first block holding the row's max, then the first
     index in it. The engine uses it on CUDA at batch <= 16 only: on an H200 it made the batch-1 step
-    faster and the batch-256 step slower (jobs/probes/decode_step_variants.py; docs/benchmarks.md,
+    faster and the batch-256 step slower (tools/probes/decode_step_variants.py; docs/benchmarks.md,
     session 4). Batch sizes in between were not measured, nor is it used on CPUs.
     """
     batch, vocab = logits.shape
@@ -111,7 +111,7 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and device.type == "cuda"
         # The LM head, padded to a multiple of 64 rows: cuBLAS has no fast kernel for an odd row count
         # such as GPT-2's 50257; padded to 50304 rows, the head ran several times faster on an H200
-        # (jobs/probes/linear_kernels.py; docs/benchmarks.md). The extra rows are zeros,
+        # (tools/probes/linear_kernels.py; docs/benchmarks.md). The extra rows are zeros,
         # and the logits are cut to `vocab_limit` anyway.
         head = self.model.lm_head.weight
         padded_rows = -(-head.shape[0] // 64) * 64
@@ -153,7 +153,7 @@ class ModelRunner:
         # mode): eager, a prefill's 200-odd small kernels cost milliseconds of launches, more host time than
         # the engine's decode step, and a server admits a few prompts at a time as requests arrive
         # (jobs/bench_serve.py, engine profile). One graph for all of them, not one replay each: a prefill
-        # of a few prompts takes about as long on the GPU as one (jobs/probes/prefill_batching.py). More
+        # of a few prompts takes about as long on the GPU as one (tools/probes/prefill_batching.py). More
         # prompts than that (a batch job's first wave) take one eager prefill.
         self.prefill_graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graphed_prefill_max = min(GRAPHED_PREFILL_MAX, num_slots)
@@ -394,7 +394,7 @@ class ModelRunner:
         """
         if self.decoder is not None:
             # Our kernels were faster than the compiled modules at batch 1, 64 and 256 on an H200
-            # (jobs/probes/decode_step_variants.py; docs/benchmarks.md).
+            # (tools/probes/decode_step_variants.py; docs/benchmarks.md).
             logits, positions, steps = self.decoder.forward(
                 self.staged, self.tokens, self.positions, self.steps, self.cache.kv, batch
             )

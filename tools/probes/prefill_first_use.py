@@ -1,6 +1,6 @@
 """Probe: what the first prefill at a new batch size costs, SDPA's default choice (cuDNN) against flash.
 
-    python jobs/probes/prefill_first_use.py
+    python tools/probes/prefill_first_use.py
 
 Prints (batch size, call, ms) for two calls per batch size: the first pays any per-shape
 planning, the second is the steady state. Needs a CUDA GPU.

@@ -1,6 +1,6 @@
 """Probe: the decode kernels of engine/kernels.py, one at a time, against what the torch path runs.
 
-    python jobs/probes/triton_kernels.py [--json-out F]
+    python tools/probes/triton_kernels.py [--json-out F]
 
 For GPT-2 124M's shapes in bf16: at batch 1, each linear of a layer (with its layer norm, bias,
 GELU or residual) as our `ln_linear` under a few tile configurations, against the torch ops the

@@ -1,6 +1,6 @@
 """Probe: where a Ray actor's start-up goes, from `.remote()` to its constructor's first line.
 
-    python jobs/probes/actor_startup.py [--json-out F]
+    python tools/probes/actor_startup.py [--json-out F]
 
 The batch job's GPU actor reached our constructor 13-16 s after its process started on the H200
 machine (docs/benchmarks.md), for imports that take about 3 s in a plain Python on the CPU testbed.
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "platform"))
 
 import ray  # noqa: E402
 
-from gpt2_platform.jobs_common import process_age_s  # noqa: E402
 from gpt2_platform.runtime import init_ray  # noqa: E402
+from gpt2_platform.worker_process import process_age_s  # noqa: E402
 
 IMPORTS = ("ray.data", "torch", "transformers", "gpt2_platform.batch.worker")
 

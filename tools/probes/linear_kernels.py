@@ -1,6 +1,6 @@
 """Probe: how fast cuBLAS runs the decode step's linears and the LM head, for batch rows 1 to 256.
 
-    python jobs/probes/linear_kernels.py
+    python tools/probes/linear_kernels.py
 
 Prints microseconds per call (20 calls captured in one CUDA graph, bf16): each GPT-2 124M linear
 with and without its bias, and the LM head with GPT-2's 50257 rows against the same head padded

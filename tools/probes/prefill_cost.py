@@ -1,6 +1,6 @@
 """Probe: where a batch job's prefill time goes, and the device's time in a job-like run (needs a GPU).
 
-    python jobs/probes/prefill_cost.py [--slots 1024] [--max-seq-len 256] [--job-prompts 8192]
+    python tools/probes/prefill_cost.py [--slots 1024] [--max-seq-len 256] [--job-prompts 8192]
 
 A batch job at 1,024 slots admits about engine.max_prefill_tokens prompt tokens at a time, padded to a
 power-of-two width and row count. This prints, per (prompts, width), the device time of one prefill

@@ -1,6 +1,6 @@
 """Probe: where one batch-1 request's time goes in the engine (prefill, decode steps, the rest).
 
-    python jobs/probes/batch1_timeline.py [--preset gpt2] [--prompt-tokens 128] [--new-tokens 128]
+    python tools/probes/batch1_timeline.py [--preset gpt2] [--prompt-tokens 128] [--new-tokens 128]
 
 bench_engine.py's batch-1 figure is a whole `engine.generate` of one prompt: its prefill, then
 new_tokens - 1 decode steps, plus the hand-offs to and from the engine's thread. This times the

@@ -1,6 +1,6 @@
 """Probe: does the compiled decode step's time grow with the number of cache slots? (CPU or GPU)
 
-    python jobs/probes/compiled_step_vs_slots.py [--device cuda]
+    python tools/probes/compiled_step_vs_slots.py [--device cuda]
 
 A step that writes one token per sequence should not care how many slots the cache has. If
 torch.compile turns the cache writes into a copy of the whole cache, the compiled step's time

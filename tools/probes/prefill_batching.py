@@ -1,6 +1,6 @@
 """Probe: what a prefill of a few prompts costs, against one prompt, on the device and on the host.
 
-    python jobs/probes/prefill_batching.py [--preset gpt2] [--prompt-tokens 128]
+    python tools/probes/prefill_batching.py [--preset gpt2] [--prompt-tokens 128]
 
 A server admits prompts as requests arrive, a few per engine iteration. Each prefill is launch-bound
 at small batches (some 200 kernels whatever the batch), so prompts prefilled together should cost

@@ -1,6 +1,6 @@
 """Probe: the engine loop's host work per generated token, with the model taken out.
 
-    python jobs/probes/engine_host_cost.py [--sequences 256] [--tokens 128]
+    python tools/probes/engine_host_cost.py [--sequences 256] [--tokens 128]
 
 The runner's launch and prefill are replaced by ones that return at once, so what is timed is
 the engine's own Python: admitting, launching, taking tokens in, detokenizing, stop checks and

@@ -1,6 +1,6 @@
 """Probe: host time per streamed token of incremental detokenization, through the tokenizer vs the byte table.
 
-    python jobs/probes/detokenize_cost.py
+    python tools/probes/detokenize_cost.py
 
 Streams the demo stories' tokens (byte tokenizer) in 128-token sequences, as the engine does for each
 running sequence at every step, and prints microseconds per token for both paths.

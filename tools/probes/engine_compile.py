@@ -1,6 +1,6 @@
 """Probe: the engine's decode step as captured CUDA graphs, eager against torch.compile (dynamic shapes).
 
-    python jobs/probes/engine_compile.py OUT_DIR [eager] [compile]
+    python tools/probes/engine_compile.py OUT_DIR [eager] [compile]
 
 Prints, per variant: warm-up seconds, decode-step ms at batch 1/8/64/256 (host work included),
 the GPU time of one batch-1 step (graph replay alone), generate tokens/s at batch 1/64/256

@@ -1,6 +1,6 @@
 """Probe: what one full garbage collection costs a process that imports what a serving replica imports.
 
-    python jobs/probes/gc_pause.py
+    python tools/probes/gc_pause.py
 
 A replica's requests promote their objects to the oldest generation, so full collections come often
 under load, and each walks every object the process holds (torch, transformers, Ray, FastAPI and

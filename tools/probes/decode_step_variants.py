@@ -1,6 +1,6 @@
 """Probe: the decode step's GPU time under different ways of compiling it (graph replay alone).
 
-    python jobs/probes/decode_step_variants.py [--device cuda] [--preset gpt2] [variant ...]
+    python tools/probes/decode_step_variants.py [--device cuda] [--preset gpt2] [variant ...]
 
 Variants:
   compiled         the model's modules under torch.compile(dynamic=True), cuBLASLt GEMMs (the

@@ -1,6 +1,6 @@
 """Probe: how long a compiled engine takes to warm every decode shape of every sampling mode.
 
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python jobs/probes/compile_warmup.py [--preset tiny]
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python tools/probes/compile_warmup.py [--preset tiny]
 
 An empty inductor cache gives the cold start a new replica pays on a fresh node. Runs on CPU or GPU
 (on a GPU the graphs are captured too).
