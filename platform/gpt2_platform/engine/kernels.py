@@ -396,9 +396,9 @@ def write_cache(
     projection) into the layer's cache `kv` `(slots, 2, H, T, D)` at `slots`, `positions` `(N,)`.
 
     Why not an indexed assignment: a prefill's write went through torch's generic index kernel plus a
-    stack of k and v, about a third of a batch job's prefill (tools/probes/prefill_cost.py). One program a
-    token reads its keys and values where the projection left them and writes each head's D values
-    contiguously.
+    stack of k and v, a large share of a batch job's prefill (tools/probes/prefill_cost.py,
+    docs/benchmarks.md). One program a token reads its keys and values where the projection left them and
+    writes each head's D values contiguously.
     """
     tokens, heads, head_dim = k.shape
     assert kv.is_contiguous() and kv.shape[1] == 2 and k.stride(2) == 1 and v.stride(2) == 1
