@@ -174,9 +174,8 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
 
     from gpt2_platform import checkpoint
     from gpt2_platform.batch import fingerprint
-    from gpt2_platform.batch.generate import plan_actors, wait_for_resources
+    from gpt2_platform.batch.generate import connect_and_plan_actors
     from gpt2_platform.batch.inputs import InputError
-    from gpt2_platform.runtime import init_ray
     from gpt2_platform.train.config import DataConfig
     from gpt2_platform.train.data import TokenizeAndPack, files_by_format, read_documents
 
@@ -215,9 +214,7 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
         files_by_format(data)  # paths, formats, UTF-8 and the text column, before Ray starts
     model_sha256 = fingerprint.identity_sha256(fingerprint.model_identity(model_dir, tokenizer))
 
-    init_ray()
-    num_actors, gpus_per_actor = plan_actors(config.scaling)
-    wait_for_resources(num_actors, gpus_per_actor, config.scaling)
+    num_actors, gpus_per_actor = connect_and_plan_actors(config.scaling)
     spec = WorkerSpec(
         model=model,
         model_sha256=model_sha256,

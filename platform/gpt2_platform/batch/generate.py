@@ -105,6 +105,16 @@ def plan_actors(scaling: ScalingConfig) -> tuple[int, float]:
     return num_actors, per_actor
 
 
+def connect_and_plan_actors(scaling: ScalingConfig) -> tuple[int, float]:
+    """Connect to (or start) Ray, plan the actors and wait for their resources: (actors, GPUs per actor)."""
+    from gpt2_platform.runtime import init_ray
+
+    init_ray()
+    num_actors, gpus_per_actor = plan_actors(scaling)
+    wait_for_resources(num_actors, gpus_per_actor, scaling)
+    return num_actors, gpus_per_actor
+
+
 def wait_for_resources(num_actors: int, gpus_per_actor: float, scaling: ScalingConfig) -> None:
     """Wait until the cluster has the job's CPUs and GPUs free (actors, plus one CPU to read with), at most
     scaling.wait_for_resources_s; then refuse, saying what is missing, instead of a job that waits forever.
@@ -170,7 +180,6 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
     """Generate a completion for (task score: score) every input row not yet in the output; return (and save)
     the summary."""
     from gpt2_platform import checkpoint
-    from gpt2_platform.runtime import init_ray
 
     started = time.perf_counter()
     files = find_input_files(config.input.paths)
@@ -204,9 +213,7 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
             logger.info("resuming: %d rows already done (%d from an interrupted run)", len(done), salvaged)
         num_actors, gpus_per_actor = 0, 0.0
         if len(done) < num_input_rows:
-            init_ray()
-            num_actors, gpus_per_actor = plan_actors(config.scaling)
-            wait_for_resources(num_actors, gpus_per_actor, config.scaling)
+            num_actors, gpus_per_actor = connect_and_plan_actors(config.scaling)
             spec = WorkerSpec(
                 model=model,
                 model_sha256=model_sha256,

@@ -258,30 +258,20 @@ def output_stats(directory: Path, run_id: str, task: str = "generate") -> dict[s
         return int(pc.sum(t.column(column)).as_py() or 0) if t.num_rows else 0
 
     errors = Counter(error_kind(e) for e in table.column("error").to_pylist() if e is not None)
-    if task == "score":
-        scored = tokens(table, "scored_tokens")
-        total = float(pc.sum(table.column("log_likelihood")).as_py() or 0.0) if table.num_rows else 0.0
-        return {
-            "rows": table.num_rows,
-            "unique_ids": len(set(table.column("id").to_pylist())),
-            "errors": sum(errors.values()),
-            "errors_by_kind": dict(sorted(errors.items())),
-            "prompt_tokens": tokens(table, "prompt_tokens"),
-            "scored_tokens": scored,
-            "log_likelihood": total,
-            "perplexity": math.exp(min(-total / scored, 700.0)) if scored else None,
-            "rows_this_run": this_run.num_rows,
-            "prompt_tokens_this_run": tokens(this_run, "prompt_tokens"),
-            "scored_tokens_this_run": tokens(this_run, "scored_tokens"),
-        }
-    return {
+    stats = {
         "rows": table.num_rows,
         "unique_ids": len(set(table.column("id").to_pylist())),
         "errors": sum(errors.values()),
         "errors_by_kind": dict(sorted(errors.items())),
         "prompt_tokens": tokens(table, "prompt_tokens"),
-        "completion_tokens": tokens(table, "completion_tokens"),
+        counted: tokens(table, counted),
         "rows_this_run": this_run.num_rows,
         "prompt_tokens_this_run": tokens(this_run, "prompt_tokens"),
-        "completion_tokens_this_run": tokens(this_run, "completion_tokens"),
+        f"{counted}_this_run": tokens(this_run, counted),
     }
+    if task == "score":
+        scored = stats[counted]
+        total = float(pc.sum(table.column("log_likelihood")).as_py() or 0.0) if table.num_rows else 0.0
+        stats["log_likelihood"] = total
+        stats["perplexity"] = math.exp(min(-total / scored, 700.0)) if scored else None
+    return stats
