@@ -77,8 +77,8 @@ def _prepare_local_cluster() -> dict:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     # The package reaches this cluster's workers by PYTHONPATH, not a py_modules runtime env: they run on
     # this machine, from these files, and a worker with a runtime env waits for it to be unpacked and cannot
-    # be one of the workers Ray starts ahead (seconds before a batch actor's constructor runs; see
-    # docs/benchmarks.md, batch start-up).
+    # be one of the workers Ray starts ahead: time before a batch actor's constructor runs
+    # (tools/probes/actor_startup.py measures it).
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(PACKAGE_DIR.parent) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent), *filter(None, paths)])
