@@ -173,6 +173,28 @@ def test_a_prefill_replayed_as_a_graph_fills_the_cache_and_picks_as_the_eager_on
     assert any(key[0] == 4 for key in graphed.prefill_graphs)
 
 
+def test_a_prefill_and_a_decode_step_copy_their_inputs_from_pinned_memory_only():
+    """A copy from pageable memory holds the host until the device has run everything queued before it, so
+    the engine's host work stops overlapping the device's (torch copies a strided slice of a pinned buffer
+    through a pageable temporary)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from gpt2_platform.engine.runner import ModelRunner
+
+    torch.manual_seed(0)
+    runner = ModelRunner(GPT2(preset("tiny")), 8, 64, torch.bfloat16, torch.device("cuda"), cuda_graphs=True)
+    runner.warmup(("greedy",))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # 3 prompts (a graph of 4 rows) of a width shorter than the buffer's rows; then a step of 3 active
+        # slots (batch bucket 4 of the 9 columns of the staged buffer).
+        first = runner.start_prefill([[1, 2, 3], [4, 5], list(range(6, 20))], [0, 1, 2]).tokens()
+        tokens = runner.launch(3, [0, 1, 2], 14).tokens()
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.key_averages() if e.name.startswith("Memcpy HtoD")]
+    assert copies and not [name for name in copies if "Pageable" in name], copies
+    assert len(first) == 3 and len(tokens) == 3
+
+
 def test_engine_bf16_sampling_is_reproducible_per_seed_on_gpu():
     from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams
     from gpt2_platform.engine.sampling import SamplingParams

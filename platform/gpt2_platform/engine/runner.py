@@ -272,11 +272,14 @@ class ModelRunner:
         rows[batch:rows_in, :PROMPT_HEADER] = [self.scratch_slot, 0, 0, 0, 0, 0]
         as_float[batch:rows_in, _TOP_P] = 1.0
         self._unsent_sampling.difference_update(slots)
-        # Only the columns some prompt reaches: padding past a prompt is never read as its own. Causal
-        # attention keeps an earlier prompt's tokens left there out of this one's outputs, and decode steps
-        # overwrite those positions' cache entries before they read them.
-        columns = PROMPT_HEADER + longest
-        self.staged_prompts[:rows_in, :columns].copy_(host[:rows_in, :columns], non_blocking=True)
+        # One contiguous run of the buffer, up to the last row's last prompt column: a strided slice (only
+        # the columns some prompt reaches) is copied by torch through a pageable temporary, and that copy holds
+        # the host until the device has run everything queued before it, so the pipeline drained at every
+        # prefill (see `launch`). Padding past a prompt, stale or not, is never read as its own: causal
+        # attention keeps it out of the prompt's outputs, and decode steps overwrite those positions' cache
+        # entries before they read them.
+        end = (rows_in - 1) * host.shape[1] + PROMPT_HEADER + longest
+        self.staged_prompts.view(-1)[:end].copy_(host.view(-1)[:end], non_blocking=True)
         if graphed:
             graph, out = self.prefill_graphs.get((rows_in, width, mode)) or self._capture_prefill(rows_in, width, mode)
             graph.replay()
@@ -461,7 +464,11 @@ class ModelRunner:
             rows[:3, :active] = fed
         rows[3, :batch] = 1  # padding rows are fed position 0 of unused slots
         rows[3, continuing] = 0
-        self.staged[:, :batch].copy_(host[:, :batch], non_blocking=True)
+        # The whole buffer (a few KB), not the columns [:batch]: that slice is strided, and torch copies a
+        # strided pinned tensor through a pageable temporary, whose copy holds the host until the device has
+        # run everything queued (the step in flight included), so the host's work per step stopped
+        # overlapping the device's (tools/probes/prefill_cost.py --job-prompts: "Memcpy HtoD (Pageable)").
+        self.staged.copy_(host, non_blocking=True)
         if self.use_graphs:
             graph, out = self.graphs.get((batch, span, mode)) or self._capture(batch, span, mode)
             graph.replay()
