@@ -497,3 +497,42 @@ def test_max_tokens_0_needs_echo_and_an_echoed_prompt_must_fit_the_context(engin
         engine.generate([[1] * 130], GenerationParams(max_tokens=0, logprobs=1, echo=True))
     with pytest.raises(ValueError, match="over the context of 128"):  # generating: the context is the limit
         engine.generate([[1] * 128], GenerationParams(max_tokens=1, logprobs=1, echo=True))
+
+
+@pytest.mark.parametrize("sampling", [(0.0, 0, 1.0), (0.9, 20, 0.9)], ids=["greedy", "filtered"])
+def test_a_packed_prefill_fills_the_cache_and_picks_as_the_padded_one(model, sampling):
+    """Prompts of many lengths admitted together run back to back without padding; each slot ends as the
+    padded prefill leaves it (cache, first token, position, step), and decoding goes on identically."""
+    from gpt2_platform.engine.runner import PACKED_PREFILL_MIN_PROMPTS, ModelRunner
+
+    runners = {
+        packed: ModelRunner(model, 48, 96, torch.float32, torch.device("cpu"), cuda_graphs=False, packed_prefill=packed)
+        for packed in (True, False)
+    }
+    count = PACKED_PREFILL_MIN_PROMPTS + 5
+    prompts = [[(11 * i + 3 * j) % 250 + 1 for j in range(1 + (37 * i) % 95)] for i in range(count)]
+    slots = [(7 * i) % 48 for i in range(count)]
+    temperature, top_k, top_p = sampling
+    firsts = {}
+    for packed, runner in runners.items():
+        for slot in slots:
+            runner.set_sampling(slot, temperature, top_k, top_p, seed=slot)
+        firsts[packed] = runner.prefill(prompts, slots)
+    packed, padded = runners[True], runners[False]
+    assert (packed.packed_prefills, padded.packed_prefills) == (1, 0)
+    assert firsts[True] == firsts[False]
+    for slot, prompt in zip(slots, prompts, strict=True):
+        for ours, theirs in zip(packed.cache.kv, padded.cache.kv, strict=True):
+            torch.testing.assert_close(ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)])
+        assert packed.positions[slot].item() == len(prompt) and packed.steps[slot].item() == 1
+    # Below the minimum, a group keeps the padded prefill.
+    free = sorted(set(range(48)) - set(slots))[:3]
+    for runner in runners.values():
+        runner.prefill(prompts[:3], free)
+    assert packed.packed_prefills == 1
+    slots += free
+    # Three decode steps over every admitted slot go on from what each prefill left, token for token.
+    active = max(slots) + 1
+    for step in range(3):
+        steps = [r.launch(active, slots, max(map(len, prompts)) + step).tokens() for r in (packed, padded)]
+        assert steps[0] == steps[1]

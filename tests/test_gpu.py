@@ -195,6 +195,39 @@ def test_a_prefill_and_a_decode_step_copy_their_inputs_from_pinned_memory_only()
     assert len(first) == 3 and len(tokens) == 3
 
 
+def test_packed_prefill_graphs_fill_the_cache_as_the_padded_graphs_do_in_bf16():
+    # Variable-length flash attention takes no fp32: bf16, with its tolerance, against the padded path.
+    from gpt2_platform.engine.runner import PACKED_PREFILL_MIN_PROMPTS, ModelRunner
+
+    torch.manual_seed(0)
+    model = GPT2(preset("tiny"))
+    device = torch.device("cuda")
+    runners = {
+        packed: ModelRunner(model, 64, 128, torch.bfloat16, device, cuda_graphs=True, packed_prefill=packed)
+        for packed in (True, False)
+    }
+    packed, padded = runners[True], runners[False]
+    untouched = [t[63].clone() for t in packed.cache.kv]  # a slot no prompt goes to
+    for count, offset in ((PACKED_PREFILL_MIN_PROMPTS + 20, 0), (PACKED_PREFILL_MIN_PROMPTS, 3)):
+        prompts = [
+            [(11 * i + 3 * j + offset) % 250 + 1 for j in range(1 + (37 * i + offset) % 127)] for i in range(count)
+        ]
+        slots = [(7 * i + offset) % 63 for i in range(count)]
+        firsts = [runner.prefill(prompts, slots) for runner in (packed, padded)]
+        agree = sum(a == b for a, b in zip(*firsts, strict=True))
+        assert agree >= count - 2, firsts  # bf16: a near-tie may flip
+        for slot, prompt in zip(slots, prompts, strict=True):
+            for ours, theirs in zip(packed.cache.kv, padded.cache.kv, strict=True):
+                torch.testing.assert_close(
+                    ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)], atol=3e-2, rtol=3e-2
+                )
+            assert packed.positions[slot].item() == len(prompt) and packed.steps[slot].item() == 1
+    # Two graphs (64 prompts' bucket, 16's), each replayed once; padding wrote only into the scratch slot.
+    assert packed.packed_prefills == 2 and len(packed.packed_graphs) == 2 and padded.packed_prefills == 0
+    for before, after in zip(untouched, packed.cache.kv, strict=True):
+        assert torch.equal(before, after[63])
+
+
 def test_engine_bf16_sampling_is_reproducible_per_seed_on_gpu():
     from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams
     from gpt2_platform.engine.sampling import SamplingParams

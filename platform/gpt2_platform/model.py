@@ -258,7 +258,8 @@ class GPT2(nn.Module):
         The engine applies its own copy of the head (see engine/runner.py), padded to an aligned vocabulary.
         """
         B, T = input_ids.shape
-        if T > self.config.n_positions:
+        # With `positions` given, a row may hold several sequences back to back (the engine's packed prefill).
+        if positions is None and T > self.config.n_positions:
             raise ValueError(f"sequence length {T} exceeds the model's context of {self.config.n_positions}")
         if positions is None:
             positions = torch.arange(T, device=input_ids.device)

@@ -13,6 +13,8 @@ on an H200 made every compiled decode step copy the entire cache (12.5 ms a step
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -76,6 +78,65 @@ class PrefillView:
             kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=2)
             self.cache.kv[layer][self.slots, :, :, self.positions] = kv
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch before 2.10
+        return None
+    return varlen_attn
+
+
+def varlen_attention_available() -> bool:
+    """Whether this torch has variable-length attention (flash attention over packed sequences, CUDA)."""
+    return _varlen_attn() is not None
+
+
+class PackedPrefillView:
+    """Prompts packed back to back in one row `(1, N)`, each from position 0: writes every token's keys and
+    values into its slot, and attends causally within each prompt.
+
+    On CUDA, variable-length (flash) attention over `starts`, with `longest` as its bound (the context, in
+    a graph that serves every group of prompts); tokens past the last prompt's end (a graph's padding)
+    belong to no prompt: their outputs are never read. On CPU, one attention a prompt over the host's
+    `bounds`.
+    """
+
+    def __init__(
+        self,
+        cache: KVCache,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        starts: torch.Tensor,
+        longest: int,
+        bounds: list[int] | None = None,
+    ) -> None:
+        """`slots`, `positions` `(N,)`: each token's (contiguous); `starts` `(B + 1,)`: where each prompt
+        begins, then where the last one ends; `bounds`: the same on the host (CPU only)."""
+        self.cache, self.slots, self.positions, self.longest, self.bounds = cache, slots, positions, longest, bounds
+        self.on_cuda = cache.kv[0].is_cuda
+        self.starts = starts.to(torch.int32)
+        if not self.on_cuda and bounds is None:
+            raise ValueError("a packed prefill on CPU needs the prompts' bounds on the host")
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        # (1, nh, N, hs) -> (N, nh, hs): views of the input projection's output.
+        q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
+        if self.on_cuda and kernels.available():
+            kernels.write_cache(k, v, self.cache.kv[layer], self.slots, self.positions)
+        else:
+            self.cache.kv[layer][self.slots, :, :, self.positions] = torch.stack((k, v), dim=1)  # (N, 2, nh, hs)
+        if self.on_cuda:
+            out = _varlen_attn()(
+                q, k, v, self.starts, self.starts, self.longest, self.longest, scale=scale, window_size=(-1, 0)
+            )
+        else:
+            out = torch.zeros_like(q)
+            for a, b in itertools.pairwise(self.bounds):
+                prompt = (t[a:b].transpose(0, 1) for t in (q, k, v))
+                out[a:b] = F.scaled_dot_product_attention(*prompt, is_causal=True, scale=scale).transpose(0, 1)
+        return out.transpose(0, 1)[None]  # (1, nh, N, hs)
 
 
 class DecodeView:

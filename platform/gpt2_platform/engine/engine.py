@@ -315,6 +315,7 @@ class Engine:
         return {
             "steps": self.num_steps,
             "prefills": self.num_prefills,
+            "packed_prefills": self.runner.packed_prefills,
             "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": self.num_generated_tokens,
             "finished": self.num_finished,

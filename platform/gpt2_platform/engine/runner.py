@@ -8,6 +8,7 @@ code runs eagerly.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpt2_platform.engine import kernels
-from gpt2_platform.engine.cache import KVCache
+from gpt2_platform.engine.cache import KVCache, PackedPrefillView, varlen_attention_available
 from gpt2_platform.engine.config import MAX_LOGPROBS
 from gpt2_platform.engine.sampling import sample, token_logprobs
 from gpt2_platform.model import GPT2
@@ -45,6 +46,25 @@ GRAPHED_PREFILL_TOKENS = 8192
 # that a Serve replica's start-up does not pay for shapes it may never see (with all of them captured at
 # warm-up, the batch actor's warm-up grew: docs/benchmarks.md, current batch figures).
 WARM_PREFILL_TOKENS = 4096
+# From this many prompts admitted together (up to GRAPHED_PREFILL_TOKENS of them), a prefill runs packed: the
+# prompts back to back without padding (cache.PackedPrefillView), replayed as a graph per (prompts rounded up
+# to a power of two, tokens rounded up to PACKED_TOKENS_STEP, mode). A batch job's groups of about 50 prompts
+# of 32-128 tokens, padded to 64 rows of the longest one's power-of-two width, are half padding
+# (tools/probes/prefill_cost.py). Fewer prompts (a server's few at a time) keep the padded graphs.
+PACKED_PREFILL_MIN_PROMPTS = 16
+PACKED_TOKENS_STEP = 512
+
+
+def packed_layout(prompts: int, tokens: int) -> tuple[int, int, int, int, int, int]:
+    """Where a packed prefill's inputs lie in its one flat int64 buffer (one copy to the device): the
+    prompts' header rows (`prompts` x PROMPT_HEADER) from 0, then from each returned offset every token's id,
+    position and slot (`tokens` each), each prompt's last token's index (`prompts`), where each prompt starts
+    and then where the last one ends (`prompts` + 1); and the buffer's length."""
+    ids = prompts * PROMPT_HEADER
+    positions, slots = ids + tokens, ids + 2 * tokens
+    last = ids + 3 * tokens
+    starts = last + prompts
+    return ids, positions, slots, last, starts, starts + prompts + 1
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -94,7 +114,10 @@ class ModelRunner:
         compile_step: bool = False,
         vocab_limit: int | None = None,
         decode_kernels: str = "torch",
+        packed_prefill: bool | None = None,
     ) -> None:
+        """`packed_prefill`: run groups of prompts packed (PACKED_PREFILL_MIN_PROMPTS); None: on CUDA in bf16 or
+        fp16, where torch has variable-length (flash) attention, which takes no fp32."""
         self.model = model.to(device=device, dtype=dtype).eval()
         # Ids at or past the limit are never sampled: a model's vocabulary is often padded past its
         # tokenizer's (50304 for 50257), and those ids decode to nothing.
@@ -164,6 +187,17 @@ class ModelRunner:
             torch.zeros(self.staged_prompts.shape, dtype=torch.long, pin_memory=pinned) for _ in range(2)
         ]
         self.host_firsts = [torch.zeros(num_slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        if packed_prefill is None:
+            packed_prefill = (
+                device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and varlen_attention_available()
+            )
+        self.packed_prefill = packed_prefill
+        self.packed_prefills = 0  # how many ran packed
+        self.packed_prompt_buckets = buckets(num_slots, min(PACKED_PREFILL_MIN_PROMPTS, num_slots))
+        packed_length = packed_layout(num_slots, GRAPHED_PREFILL_TOKENS)[-1]
+        self.host_packed = [torch.zeros(packed_length, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.staged_packed = torch.zeros(packed_length, dtype=torch.long, device=device)
+        self.packed_graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_done: list[torch.cuda.Event | None] = [None, None]  # when each host buffer is free again
         self.prefills = 0
         self.prompt_positions = torch.arange(max_seq_len, device=device)[None, :]
@@ -256,22 +290,24 @@ class ModelRunner:
         mode = self._mode_of(
             [self.greedy[s] for s in slots], [self.limited[s] for s in slots], [self.logprobs[s] for s in slots]
         )
+        self._unsent_sampling.difference_update(slots)
+        if (
+            self.packed_prefill
+            and not echo
+            and batch >= PACKED_PREFILL_MIN_PROMPTS
+            and sum(map(len, prompts)) <= GRAPHED_PREFILL_TOKENS
+        ):
+            launch = self._start_packed(prompts, slots, buffer, mode)
+            self._prefill_done[buffer] = launch.done
+            return launch
         bucket = bucket_for(batch, self.prefill_batch_buckets) if batch <= self.graphed_prefill_max else batch
         graphed = self._graphed_prefill(bucket, width) and not echo
         rows_in = bucket if graphed else batch  # a graph's batch takes padding rows
         host = self.host_prompts[buffer]
         rows = host.numpy()
-        as_float = rows.view("float64")
-        for row, (prompt, slot) in enumerate(zip(prompts, slots, strict=True)):
-            temperature, top_k, top_p, seed = self.sampling[slot]
-            last = min(len(prompt), self.max_seq_len) - 1
-            rows[row, _SLOT], rows[row, _LAST], rows[row, _TOP_K], rows[row, _SEED] = slot, last, top_k, seed
-            as_float[row, _TEMPERATURE], as_float[row, _TOP_P] = temperature, top_p
+        self._write_headers(rows[:rows_in], prompts, slots)
+        for row, prompt in enumerate(prompts):
             rows[row, PROMPT_HEADER : PROMPT_HEADER + len(prompt)] = prompt
-        # A graph's padding rows: greedy, one token long, into the scratch slot.
-        rows[batch:rows_in, :PROMPT_HEADER] = [self.scratch_slot, 0, 0, 0, 0, 0]
-        as_float[batch:rows_in, _TOP_P] = 1.0
-        self._unsent_sampling.difference_update(slots)
         # One contiguous run of the buffer, up to the last row's last prompt column: a strided slice (only
         # the columns some prompt reaches) is copied by torch through a pageable temporary, and that copy holds
         # the host until the device has run everything queued before it, so the pipeline drained at every
@@ -295,6 +331,77 @@ class ModelRunner:
         self._prefill_done[buffer] = launch.done
         return launch
 
+    def _write_headers(self, rows: np.ndarray, prompts: list[list[int]], slots: list[int]) -> None:
+        """Each prompt's header row (slot, last index, sampling parameters) into `rows` `(R, >= PROMPT_HEADER)`;
+        the rows past the prompts (a graph's padding) are greedy, one token long, into the scratch slot."""
+        as_float = rows.view("float64")
+        for row, (prompt, slot) in enumerate(zip(prompts, slots, strict=True)):
+            temperature, top_k, top_p, seed = self.sampling[slot]
+            last = min(len(prompt), self.max_seq_len) - 1
+            rows[row, _SLOT], rows[row, _LAST], rows[row, _TOP_K], rows[row, _SEED] = slot, last, top_k, seed
+            as_float[row, _TEMPERATURE], as_float[row, _TOP_P] = temperature, top_p
+        rows[len(prompts) :, :PROMPT_HEADER] = [self.scratch_slot, 0, 0, 0, 0, 0]
+        as_float[len(prompts) :, _TOP_P] = 1.0
+
+    def _start_packed(self, prompts: list[list[int]], slots: list[int], buffer: int, mode: str) -> Launch:
+        """Start prompts (each within the context) packed back to back into their slots; as `start_prefill`.
+
+        On CUDA, replays the graph of the prompts' count rounded up to a power of two and their tokens rounded
+        up to PACKED_TOKENS_STEP: the padding prompts are empty (their header rows go to the scratch slot),
+        and the padding tokens, in no prompt, write their keys and values into the scratch slot.
+        """
+        self.packed_prefills += 1
+        batch = len(prompts)
+        lengths = np.fromiter(map(len, prompts), np.int64, batch)
+        ends = np.cumsum(lengths)
+        total = int(ends[-1])
+        count, tokens = batch, total
+        if self.use_graphs:
+            count = bucket_for(batch, self.packed_prompt_buckets)
+            tokens = -(-total // PACKED_TOKENS_STEP) * PACKED_TOKENS_STEP
+        at_ids, at_positions, at_slots, at_last, at_starts, end = packed_layout(count, tokens)
+        host = self.host_packed[buffer]
+        flat = host.numpy()
+        self._write_headers(flat[:at_ids].reshape(count, PROMPT_HEADER), prompts, slots)
+        flat[at_ids : at_ids + total] = np.fromiter(itertools.chain.from_iterable(prompts), np.int64, total)
+        flat[at_positions : at_positions + total] = np.arange(total) - np.repeat(ends - lengths, lengths)
+        flat[at_slots : at_slots + total] = np.repeat(np.asarray(slots, np.int64), lengths)
+        for at in (at_ids, at_positions):
+            flat[at + total : at + tokens] = 0
+        flat[at_slots + total : at_slots + tokens] = self.scratch_slot
+        flat[at_last : at_last + batch] = ends - 1
+        flat[at_last + batch : at_starts] = 0
+        flat[at_starts] = 0
+        flat[at_starts + 1 : at_starts + 1 + batch] = ends
+        flat[at_starts + 1 + batch : end] = total
+        self.staged_packed[:end].copy_(host[:end], non_blocking=True)  # contiguous, from pinned memory
+        if self.use_graphs:
+            graph, out = self.packed_graphs.get((count, tokens, mode)) or self._capture_packed(count, tokens, mode)
+            graph.replay()
+        else:
+            out = self._prefill_packed(count, tokens, mode, bounds=[0, *ends.tolist()])
+        return self._hand_back(out, self.host_firsts[buffer], batch, self.host_prefill_logprobs[buffer])
+
+    def _prefill_packed(self, count: int, tokens: int, mode: str, bounds: list[int] | None = None):
+        """The packed prompts staged in `staged_packed` (`packed_layout(count, tokens)`) into their slots; the
+        first token of each, as `_prefill` leaves them. `bounds`: where the prompts start and end, on the host
+        (CPU only: CUDA attends by the staged starts)."""
+        at_ids, at_positions, at_slots, at_last, at_starts, end = packed_layout(count, tokens)
+        staged = self.staged_packed
+        ids, positions = staged[at_ids:at_positions], staged[at_positions:at_slots]
+        view = PackedPrefillView(
+            self.cache, staged[at_slots:at_last], positions, staged[at_starts:end], self.max_seq_len, bounds
+        )
+        hidden = self.model.hidden(
+            ids[None], positions=positions[None], cache=view, hidden_at=staged[at_last:at_starts]
+        )
+        return self._first_tokens(staged[:at_ids].view(count, PROMPT_HEADER), hidden, mode)
+
+    def _capture_packed(self, count: int, tokens: int, mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        graph, out = self._capture_graph(lambda: self._prefill_packed(count, tokens, mode))
+        self.packed_graphs[(count, tokens, mode)] = (graph, out)
+        return graph, out
+
     def _prefill(self, rows: torch.Tensor, width: int, mode: str, echo: bool = False):
         """Staged prompt rows `(B, PROMPT_HEADER + width)` into their slots; the first token of each.
 
@@ -305,10 +412,6 @@ class ModelRunner:
         t + 1; a row's columns past its own prompt are padding).
         """
         slots, last = rows[:, _SLOT], rows[:, _LAST]
-        self.temperature[slots] = rows[:, _TEMPERATURE].view(torch.float64).float()
-        self.top_k[slots] = rows[:, _TOP_K]
-        self.top_p[slots] = rows[:, _TOP_P].view(torch.float64).float()
-        self.seed[slots] = rows[:, _SEED]
         tokens = rows[:, PROMPT_HEADER : PROMPT_HEADER + width]  # (B, T)
         positions = self.prompt_positions[:, :width].expand(rows.shape[0], width)
         view = self.cache.prefill(slots, positions)
@@ -318,6 +421,18 @@ class ModelRunner:
         if echo:  # (B, T, C): every position's, for the prompt's own log-probabilities
             prompt_logprobs = self._prompt_logprobs(hidden, rows[:, PROMPT_HEADER + 1 : PROMPT_HEADER + 1 + width])
             hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, C)
+        out = self._first_tokens(rows, hidden, mode)
+        return out if prompt_logprobs is None else (out, prompt_logprobs)
+
+    def _first_tokens(self, rows: torch.Tensor, hidden: torch.Tensor, mode: str):
+        """Each prompt's first token from its last position's `hidden` `(B, C)`, with the sampling parameters
+        of its header row (`rows` `(B, >= PROMPT_HEADER)`); leaves the token, the position after the prompt and
+        step 1 in its slot."""
+        slots, last = rows[:, _SLOT], rows[:, _LAST]
+        self.temperature[slots] = rows[:, _TEMPERATURE].view(torch.float64).float()
+        self.top_k[slots] = rows[:, _TOP_K]
+        self.top_p[slots] = rows[:, _TOP_P].view(torch.float64).float()
+        self.seed[slots] = rows[:, _SEED]
         logits = self._logits(hidden)
         # The same choice of pick as a decode step's (`_mode`): for greedy rows only, the argmax without
         # sample's float64 sort and noise over the whole vocabulary.
@@ -337,8 +452,7 @@ class ModelRunner:
         self.tokens[slots] = first
         self.positions[slots] = torch.clamp(last + 1, max=self.max_seq_len - 1)
         self.steps.index_fill_(0, slots, 1)  # a Python scalar here would be a host copy, refused in a capture
-        out = (first, *token_logprobs(logits, first, MAX_LOGPROBS)) if with_logprobs else first
-        return out if prompt_logprobs is None else (out, prompt_logprobs)
+        return (first, *token_logprobs(logits, first, MAX_LOGPROBS)) if with_logprobs else first
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probabilities of `targets` `(B, T)` (each position's next token) from `hidden` `(B, T, C)`, with
