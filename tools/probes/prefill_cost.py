@@ -7,7 +7,8 @@ power-of-two width and row count. This prints, per (prompts, width), the device 
 (CUDA events around back-to-back prefills, graphs as the engine replays them) with the cache written by
 torch's indexed assignment and by our kernel, and the kernels of one eager prefill. With
 `--job-prompts`, it then runs the engine as a batch job does (prompts of 32-128 tokens, 128 new, greedy)
-under torch.profiler and prints the device's time by kernel against the wall time.
+under torch.profiler, with packed prefills and then padded ones, and prints the device's time by kernel
+against the wall time.
 """
 
 from __future__ import annotations
@@ -81,9 +82,11 @@ def profile_one(runner: ModelRunner, batch: int, width: int, vocab: int) -> None
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
-def job_profile(model: GPT2, args: argparse.Namespace, device: torch.device) -> None:
+def job_profile(model: GPT2, args: argparse.Namespace, device: torch.device, packed: bool) -> None:
     config = EngineConfig(max_batch_size=args.slots, max_seq_len=args.max_seq_len, dtype="bf16")
-    engine = Engine(model, byte_tokenizer(), config, device=device).start(modes=("greedy",))
+    engine = Engine(model, byte_tokenizer(), config, device=device)
+    engine.runner.packed_prefill = packed  # the runner's own switch, set before the engine's loop starts
+    engine.start(modes=("greedy",))
     rng = random.Random(0)
     params = GenerationParams(max_tokens=128, ignore_eos=True, sampling=SamplingParams(temperature=0))
 
@@ -103,8 +106,9 @@ def job_profile(model: GPT2, args: argparse.Namespace, device: torch.device) -> 
     events = prof.key_averages()
     busy_ms = sum(e.self_device_time_total for e in events) / 1e3
     print(
-        f"\nJob-like run: {args.job_prompts} prompts of 32-128 tokens, 128 new, {args.slots} slots: {wall:.2f} s, "
-        f"{tokens / wall:,.0f} generated tokens/s; device busy {busy_ms / 1e3:.2f} s ({busy_ms / 1e3 / wall:.0%})"
+        f"\nJob-like run, prefills {'packed' if packed else 'padded'}: {args.job_prompts} prompts of 32-128 tokens, "
+        f"128 new, {args.slots} slots: {wall:.2f} s, {tokens / wall:,.0f} generated tokens/s; device busy "
+        f"{busy_ms / 1e3:.2f} s ({busy_ms / 1e3 / wall:.0%})"
     )
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
 
@@ -127,7 +131,8 @@ def main() -> int:
     print(f"{args.preset}, {args.slots} slots of {args.max_seq_len}, bf16, greedy")
     prefill_table(model, args, device)
     if args.job_prompts:
-        job_profile(model, args, device)
+        for packed in (True, False):
+            job_profile(model, args, device, packed)
     return 0
 
 
