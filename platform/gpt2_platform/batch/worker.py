@@ -125,7 +125,10 @@ class EngineWorker:
         self.tokenizer_lock = threading.Lock()
         self.engine = Engine(model, self.tokenizer, spec.engine, device=device)
         built = time.perf_counter()
-        self.engine.start(modes=sampling_modes(spec.generation, spec.input, spec.task))
+        # Prefill graphs on first use: a job admits groups of prompts, which run packed, in graphs of shapes
+        # no warm-up can know (and scoring's are eager); warming the padded ones took a large share of the
+        # actor's warm-up, which a small job waits for in full.
+        self.engine.start(modes=sampling_modes(spec.generation, spec.input, spec.task), warm_prefills=False)
         self.max_seq_len = self.engine.max_seq_len
         # Start-up is most of a small job's wall time: say where it went, from the process's creation on.
         if age is not None:

@@ -162,10 +162,13 @@ class Engine:
         self.idle_s = 0.0  # the loop waiting with nothing queued or running: work did not come fast enough
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def start(self, warmup: bool = True, modes: tuple[str, ...] = SAMPLING_MODES) -> Engine:
-        """Warm every shape (of the sampling `modes` the work will use), then start the loop thread."""
+    def start(self, warmup: bool = True, modes: tuple[str, ...] = SAMPLING_MODES, warm_prefills: bool = True) -> Engine:
+        """Warm every shape (of the sampling `modes` the work will use), then start the loop thread.
+
+        `warm_prefills`: False leaves the prefill graphs to their first use (ModelRunner.warmup).
+        """
         if warmup:
-            self.runner.warmup(modes)
+            self.runner.warmup(modes, prefills=warm_prefills)
         self._thread = threading.Thread(target=self._run, name="gpt2-engine", daemon=True)
         self._thread.start()
         return self

@@ -654,12 +654,12 @@ class ModelRunner:
         return self._graph_pool
 
     @torch.inference_mode()
-    def warmup(self, modes: tuple[str, ...] = SAMPLING_MODES) -> float:
+    def warmup(self, modes: tuple[str, ...] = SAMPLING_MODES, prefills: bool = True) -> float:
         """Run (and on CUDA capture) every decode and prefill shape of `modes` before serving; returns seconds.
 
         A mode left out is captured on first use instead (tens of ms per shape): a batch job that
         only decodes greedily need not capture the sampling graphs at start. So are prefill graphs
-        over WARM_PREFILL_TOKENS.
+        over WARM_PREFILL_TOKENS, every prefill graph without `prefills`, and packed prefills' graphs.
         """
         unknown = set(modes) - set(SAMPLING_MODES)
         assert not unknown, f"unknown sampling modes {unknown}"
@@ -674,7 +674,7 @@ class ModelRunner:
                         self._capture(batch, span, mode)
                     else:
                         self._decode_step(batch, span, mode)
-        for width in self.prefill_buckets:
+        for width in self.prefill_buckets if prefills else ():
             self.prefill([[0] * width], [0])  # one prompt (on CUDA, through its greedy graph)
             if self.num_slots > 1:
                 self.prefill([[0] * width] * 2, [0, 1])  # several
