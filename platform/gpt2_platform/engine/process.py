@@ -393,6 +393,7 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
     """Build and warm the engine, report ready, then serve the parent's commands until it says stop or dies."""
     from gpt2_platform import checkpoint
     from gpt2_platform.tokenizer import load_tokenizer
+    from gpt2_platform.worker_process import process_age_s
 
     # Ctrl-C in a terminal reaches the whole process group: the parent decides when this process stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -419,9 +420,24 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
             send(("events", packed))
 
     try:
-        engine = Engine(checkpoint.load_pretrained(spec.model), load_tokenizer(spec.tokenizer), spec.config)
+        # A replica's start-up is mostly this process's: say where it went, from the process's creation on.
+        age = process_age_s()
+        started = time.perf_counter()
+        model = checkpoint.load_pretrained(spec.model)
+        loaded = time.perf_counter()
+        engine = Engine(model, load_tokenizer(spec.tokenizer), spec.config)
+        built = time.perf_counter()
         engine.deliver_in_batches(deliver)
         engine.start(spec.warmup, spec.modes)
+        logger.info(
+            "engine ready %.1f s after this process started (start-up and imports %.1f s, model %.1f s, "
+            "engine %.1f s, warm-up %.1f s)",
+            (age or 0.0) + time.perf_counter() - started,
+            age or 0.0,
+            loaded - started,
+            built - loaded,
+            time.perf_counter() - built,
+        )
         # What this process holds by now (torch, the model, the graphs) lives as long as it does: out of
         # the collector's sight, a full collection no longer walks it while the engine's thread waits.
         gc_pauses.settle()

@@ -674,6 +674,7 @@ class ModelRunner:
                         self._capture(batch, span, mode)
                     else:
                         self._decode_step(batch, span, mode)
+        decoded = time.perf_counter()
         for width in self.prefill_buckets if prefills else ():
             self.prefill([[0] * width], [0])  # one prompt (on CUDA, through its greedy graph)
             if self.num_slots > 1:
@@ -690,11 +691,14 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
         logger.info(
-            "engine warm: %d batch x %d span shapes%s in %.1f s",
+            "engine warm: %d batch x %d span shapes x %d modes%s in %.1f s (decode %.1f s, prefill %.1f s)",
             len(self.batch_buckets),
             len(self.span_buckets),
+            len(modes),
             " captured as CUDA graphs" if self.use_graphs else "",
             elapsed,
+            decoded - start,
+            elapsed - (decoded - start),
         )
         return elapsed
 

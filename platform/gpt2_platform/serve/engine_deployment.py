@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
 from ray import serve
@@ -28,6 +29,7 @@ from gpt2_platform.engine.requests import Event, GenerationParams
 from gpt2_platform.monitoring import exporter
 from gpt2_platform.serve.autoscaling import ENGINE_SEQUENCES
 from gpt2_platform.serve.metrics import ServeMetrics
+from gpt2_platform.worker_process import process_age_s
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class GPT2Engine:
         model_name: str,
         gpu_monitor: bool | None = None,
     ) -> None:
+        age, started = process_age_s(), time.perf_counter()
         self.config, self.model_name = config, model_name
         # start() warms every batch and span shape (and captures the CUDA graphs) before it returns, so
         # the replica reports healthy only once it serves at full speed.
@@ -51,7 +54,18 @@ class GPT2Engine:
         exporter.start_if_wanted(gpu_monitor)  # idempotent: the first replica on a node starts them
         self.metrics = ServeMetrics(model_name)
         self.metrics.start_sampling(self.engine.stats)
-        logger.info("engine for %s from %s ready (%s), process %s", model_name, model, config, self.engine.pid)
+        # A replica's ready time is a target (docs/benchmarks.md): where it went, the engine process's share
+        # in that process's own log line.
+        logger.info(
+            "engine for %s from %s ready (%s), process %s: replica up %.1f s before its constructor (Ray's worker "
+            "start-up, then imports), engine process %.1f s",
+            model_name,
+            model,
+            config,
+            self.engine.pid,
+            age or 0.0,
+            time.perf_counter() - started,
+        )
 
     def connect(self, address: Address, authkey: bytes) -> None:
         """Open a token link to the ingress at `address` (nothing if there is one already)."""
