@@ -11,6 +11,9 @@ module imports no torch, so the HTTP schemas and the config checks stay light.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import random
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,6 +28,8 @@ MAX_SEED = 2**63 - 1
 """Largest sampling seed: seeds live in int64 tensors."""
 MAX_LOGPROBS = 5
 """Most alternatives a token's log-probabilities come with: OpenAI's completions API allows 5."""
+SAMPLING_MODES = ("greedy", "plain", "filtered")
+"""The decode graphs per shape: argmax only, sampling without top-k/top-p, and with them (runner._mode)."""
 
 
 @dataclass(frozen=True)
@@ -60,3 +65,39 @@ class EngineConfig:
             raise ValueError(f"engine.decode_kernels must be auto, triton or torch, got {self.decode_kernels!r}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"engine.max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens; validated on creation."""
+
+    temperature: float = 1.0
+    """Softmax temperature in [0, MAX_TEMPERATURE]; 0 picks the most likely token (greedy)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only; 0 = no limit."""
+    top_p: float = 1.0
+    """Sample from the smallest set of tokens whose probability reaches top_p, in (0, 1]; 1 = no limit."""
+    seed: int | None = None
+    """Seed in [0, 2**63) for reproducible draws; None = a random one, chosen by `resolved()` and reported back."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that is out of range."""
+        if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}"
+            )
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an integer in [0, 2**31 - 1] (0 = no limit), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = no limit), got {self.top_p}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1] or null for a random one, got {self.seed!r}")
+
+    def resolved(self) -> SamplingParams:
+        """A copy with a concrete seed: this one's, or a fresh random 63-bit one."""
+        if self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=random.getrandbits(63))

@@ -26,10 +26,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpt2_platform import gc_pauses
-from gpt2_platform.engine.engine import Engine
+from gpt2_platform.engine.config import SAMPLING_MODES
 from gpt2_platform.engine.link import Address, Outlet
 from gpt2_platform.engine.requests import (
     Deliver,
@@ -39,7 +39,10 @@ from gpt2_platform.engine.requests import (
     GenerationParams,
     validate_request,
 )
-from gpt2_platform.engine.runner import SAMPLING_MODES
+
+if TYPE_CHECKING:
+    # Only the child builds an engine: the parent (a Serve replica) never loads torch for it.
+    from gpt2_platform.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -392,6 +395,7 @@ class _Outlets:
 def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
     """Build and warm the engine, report ready, then serve the parent's commands until it says stop or dies."""
     from gpt2_platform import checkpoint
+    from gpt2_platform.engine.engine import Engine
     from gpt2_platform.tokenizer import load_tokenizer
     from gpt2_platform.worker_process import process_age_s
 

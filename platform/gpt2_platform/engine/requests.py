@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 # Re-exported: the engine and its process import the config from here.
-from gpt2_platform.engine.config import MAX_LOGPROBS, EngineConfig  # noqa: F401
-from gpt2_platform.engine.sampling import SamplingParams
+from gpt2_platform.engine.config import MAX_LOGPROBS, EngineConfig, SamplingParams  # noqa: F401
 
 
 @dataclass(frozen=True)

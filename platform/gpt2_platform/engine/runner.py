@@ -19,15 +19,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gpt2_platform.engine import kernels
 from gpt2_platform.engine.cache import KVCache, PackedPrefillView, varlen_attention_available
-from gpt2_platform.engine.config import MAX_LOGPROBS
+from gpt2_platform.engine.config import MAX_LOGPROBS, SAMPLING_MODES
 from gpt2_platform.engine.sampling import sample, token_logprobs
 from gpt2_platform.model import GPT2
 
 logger = logging.getLogger(__name__)
 
 
-SAMPLING_MODES = ("greedy", "plain", "filtered")
-"""The decode graphs per shape: argmax only, sampling without top-k/top-p, and with them (see `_mode`)."""
 WITH_LOGPROBS = "+logprobs"
 """Appended to a mode when a row of the step asks for log-probabilities: a graph of its own, captured on
 first use, so steps that nobody asks them of run exactly as before."""

@@ -9,15 +9,14 @@ its own logits and parameters, never on the rest of the batch.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import random
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from gpt2_platform.engine.config import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K
+# SamplingParams lives with the engine's other settings, which import no torch (a Serve replica that only
+# routes to an engine process need not load it); imported here too, where the sampling code is.
+from gpt2_platform.engine.config import SamplingParams  # noqa: F401
 
 # The nucleus is complete once the mass before a token reaches top_p; the slack
 # keeps float rounding of a sum that hits top_p exactly from adding one more token.
@@ -120,42 +119,6 @@ def token_logprobs(logits: Tensor, chosen: Tensor, top: int) -> tuple[Tensor, Te
     chosen_logprob = logits.gather(-1, chosen[:, None]) - total  # (B, 1)
     values, ids = torch.topk(logits, top, dim=-1)  # (B, top)
     return torch.cat([chosen_logprob, values - total], dim=-1), ids
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request picks its tokens; validated on creation."""
-
-    temperature: float = 1.0
-    """Softmax temperature in [0, MAX_TEMPERATURE]; 0 picks the most likely token (greedy)."""
-    top_k: int = 0
-    """Sample among the k most likely tokens only; 0 = no limit."""
-    top_p: float = 1.0
-    """Sample from the smallest set of tokens whose probability reaches top_p, in (0, 1]; 1 = no limit."""
-    seed: int | None = None
-    """Seed in [0, 2**63) for reproducible draws; None = a random one, chosen by `resolved()` and reported back."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first field that is out of range."""
-        if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(
-                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}"
-            )
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be an integer in [0, 2**31 - 1] (0 = no limit), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = no limit), got {self.top_p}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, 2**63 - 1] or null for a random one, got {self.seed!r}")
-
-    def resolved(self) -> SamplingParams:
-        """A copy with a concrete seed: this one's, or a fresh random 63-bit one."""
-        if self.seed is not None:
-            return self
-        return dataclasses.replace(self, seed=random.getrandbits(63))
 
 
 def params_to_tensors(params: list[SamplingParams], steps: list[int], device: torch.device | str) -> dict[str, Tensor]:
