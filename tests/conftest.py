@@ -20,6 +20,9 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # up to one poll, and so do noticing a failed worker and a finished run. Ray Train passes the variable
 # from the driver to its controller and workers. Tests' runs report every few steps: poll faster.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# As init_ray sets for an embedded cluster (runtime.py): the preemption watcher waits for a drain that a
+# one-node cluster never has, and is one more actor process to start for every run.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # Without a GPU, the engine's Triton kernels run in Triton's interpreter (tests/test_kernels.py). Read
 # when the kernels are defined, so before anything imports the engine.
 if not __import__("torch").cuda.is_available():
@@ -36,9 +39,17 @@ def ray_cluster() -> Iterator[None]:
     """One embedded local Ray for the whole session (started on first use, stopped at the end)."""
     import ray
 
-    from gpt2_platform.runtime import package_runtime_env
+    import gpt2_platform
 
-    ray.init(num_cpus=4, object_store_memory=400 * 2**20, include_dashboard=False, runtime_env=package_runtime_env())
+    # As init_ray does for an embedded cluster (runtime.py): the package reaches the workers by PYTHONPATH (the
+    # raylet and its workers inherit this environment), not a py_modules runtime env. A worker with a runtime
+    # env cannot be one Ray started ahead, so every actor (a batch job's, a Serve replica) waited seconds more
+    # for its process. PYTHONPATH comes before the venv's editable install: workers run this checkout's code.
+    package_parent = str(Path(gpt2_platform.__file__).resolve().parent.parent)
+    paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    if package_parent not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([package_parent, *paths])
+    ray.init(num_cpus=4, object_store_memory=400 * 2**20, include_dashboard=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()
