@@ -190,7 +190,7 @@ def test_a_prefill_and_a_decode_step_copy_their_inputs_from_pinned_memory_only()
         first = runner.start_prefill([[1, 2, 3], [4, 5], list(range(6, 20))], [0, 1, 2]).tokens()
         tokens = runner.launch(3, [0, 1, 2], 14).tokens()
         torch.cuda.synchronize()
-    copies = [e.name for e in prof.key_averages() if e.name.startswith("Memcpy HtoD")]
+    copies = [e.key for e in prof.key_averages() if e.key.startswith("Memcpy HtoD")]
     assert copies and not [name for name in copies if "Pageable" in name], copies
     assert len(first) == 3 and len(tokens) == 3
 
@@ -212,7 +212,7 @@ def test_packed_prefill_graphs_fill_the_cache_as_the_padded_graphs_do_in_bf16():
         prompts = [
             [(11 * i + 3 * j + offset) % 250 + 1 for j in range(1 + (37 * i + offset) % 127)] for i in range(count)
         ]
-        slots = [(7 * i + offset) % 63 for i in range(count)]
+        slots = [(5 * i + offset) % 63 for i in range(count)]  # distinct, never slot 63
         firsts = [runner.prefill(prompts, slots) for runner in (packed, padded)]
         agree = sum(a == b for a, b in zip(*firsts, strict=True))
         assert agree >= count - 2, firsts  # bf16: a near-tie may flip

@@ -49,7 +49,10 @@ def prefill_table(model: GPT2, args: argparse.Namespace, device: torch.device) -
     times: dict[str, dict[str, float]] = {}
     for variant, kernel_write in (("indexed assignment", False), ("our kernel", True)):
         PrefillView.kernel_write = kernel_write
-        runner = ModelRunner(model, args.slots, args.max_seq_len, torch.bfloat16, device, cuda_graphs=True)
+        # The padded graphs: groups of 16 or more would otherwise run packed (the job-like runs compare both).
+        runner = ModelRunner(
+            model, args.slots, args.max_seq_len, torch.bfloat16, device, cuda_graphs=True, packed_prefill=False
+        )
         runner.warmup(("greedy",))
         for shape in args.shapes:
             batch, width = (int(v) for v in shape.split("x"))
