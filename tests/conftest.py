@@ -23,6 +23,11 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # As init_ray sets for an embedded cluster (runtime.py): the preemption watcher waits for a drain that a
 # one-node cluster never has, and is one more actor process to start for every run.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# Ray exports metrics to the node's Prometheus endpoint every 10 s by default: a test that waits for its
+# metric line (prometheus_lines) waited up to that long. A gauge stays on the endpoint for two intervals
+# after its process last exported it (a finished run's worker): 10 s, ample for a test that scrapes
+# right after its run.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "5000")
 # Without a GPU, the engine's Triton kernels run in Triton's interpreter (tests/test_kernels.py). Read
 # when the kernels are defined, so before anything imports the engine.
 if not __import__("torch").cuda.is_available():
