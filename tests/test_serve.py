@@ -80,9 +80,12 @@ def _free_port() -> int:
     raise RuntimeError("no free port")
 
 
+# Serve drains a stopping replica in loops of 2 s by default, at least one even when nothing is in flight:
+# every app deleted or redeployed, and every replica scaled down, waited that long. No test checks draining.
+FAST_DRAIN = {"graceful_shutdown_wait_loop_s": 0.1}
 # Half a CPU each: the module's app and the autoscaling test's, with its second ingress replica, fit the
 # test cluster's 4 CPUs.
-ENGINE_OPTIONS = {"ray_actor_options": {"num_cpus": 0.5}}
+ENGINE_OPTIONS = {"ray_actor_options": {"num_cpus": 0.5}, **FAST_DRAIN}
 
 
 def _main_args(model_dir: Path) -> dict:
@@ -102,7 +105,7 @@ def _deploy_main(model_dir: Path, **options) -> None:
 
     # The key reaches the replica through its environment, as a deployment's runtime_env would set it.
     options.setdefault("ray_actor_options", {"num_cpus": 0.5, "runtime_env": {"env_vars": {API_KEY_ENV: API_KEY}}})
-    app = gpt2_deployment(_main_args(model_dir), engine_options=ENGINE_OPTIONS, **options)
+    app = gpt2_deployment(_main_args(model_dir), engine_options=ENGINE_OPTIONS, **FAST_DRAIN, **options)
     serve.run(app, name=APP, route_prefix="/")
 
 
@@ -743,6 +746,7 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(base_url, mo
         autoscaling_config=autoscaling,
         max_ongoing_requests=8,
         ray_actor_options={"num_cpus": 0.5},
+        **FAST_DRAIN,
     )
     serve.run(app, name="autoscale", route_prefix="/autoscale")
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 import test_serve
-from test_serve import _free_port, wait_until
+from test_serve import FAST_DRAIN, _free_port, wait_until
 
 model_dir = test_serve.model_dir  # the fixture: a tiny model trained to write ASCII, with the byte tokenizer
 
@@ -44,8 +44,8 @@ def engine_process_url(serve_port, model_dir) -> Iterator[str]:
 
     args = {"model": str(model_dir), "engine": {"dtype": "fp32", "max_batch_size": 4}}
     # A fast health check, so Serve replaces the engine replica whose process died within seconds.
-    engine_options = {"ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 1}
-    app = gpt2_deployment(args, engine_options=engine_options, ray_actor_options={"num_cpus": 0.5})
+    engine_options = {"ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 1, **FAST_DRAIN}
+    app = gpt2_deployment(args, engine_options=engine_options, ray_actor_options={"num_cpus": 0.5}, **FAST_DRAIN)
     serve.run(app, name="faults", route_prefix="/")
     yield f"http://127.0.0.1:{serve_port}"
     serve.delete("faults")
@@ -131,8 +131,13 @@ def two_engines_url(serve_port, model_dir) -> Iterator[str]:
     from gpt2_platform.serve.app import gpt2_deployment
 
     args = {"model": str(model_dir), "engine": {"dtype": "fp32", "max_batch_size": 4}}
-    engine_options = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 1}
-    app = gpt2_deployment(args, engine_options=engine_options, ray_actor_options={"num_cpus": 0.5})
+    engine_options = {
+        "num_replicas": 2,
+        "ray_actor_options": {"num_cpus": 0.5},
+        "health_check_period_s": 1,
+        **FAST_DRAIN,
+    }
+    app = gpt2_deployment(args, engine_options=engine_options, ray_actor_options={"num_cpus": 0.5}, **FAST_DRAIN)
     serve.run(app, name="two-engines", route_prefix="/two")
     yield f"http://127.0.0.1:{serve_port}/two"
     serve.delete("two-engines")

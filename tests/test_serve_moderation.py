@@ -17,7 +17,7 @@ import ray.cloudpickle
 import helpers_moderation
 import test_serve
 from conftest import prometheus_lines
-from test_serve import _free_port, assert_openai_error, engine_stats, sse_events, wait_until
+from test_serve import FAST_DRAIN, _free_port, assert_openai_error, engine_stats, sse_events, wait_until
 
 model_dir = test_serve.model_dir  # the fixture: a tiny model trained to write ASCII, with the byte tokenizer
 
@@ -50,7 +50,8 @@ def base_url(ray_cluster, model_dir: Path) -> Iterator[str]:
             "engine": {"dtype": "fp32", "max_batch_size": 4},
             "moderation": MODERATION,
         }
-        serve.run(gpt2_deployment(args, ray_actor_options={"num_cpus": 1}), name=APP, route_prefix="/")
+        app = gpt2_deployment(args, engine_options=FAST_DRAIN, ray_actor_options={"num_cpus": 1}, **FAST_DRAIN)
+        serve.run(app, name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
