@@ -45,12 +45,15 @@ GRAPHED_PREFILL_TOKENS = 8192
 # warm-up, the batch actor's warm-up grew: docs/benchmarks.md, current batch figures).
 WARM_PREFILL_TOKENS = 4096
 # From this many prompts admitted together (up to GRAPHED_PREFILL_TOKENS of them), a prefill runs packed: the
-# prompts back to back without padding (cache.PackedPrefillView), replayed as a graph per (prompts rounded up
-# to a power of two, tokens rounded up to PACKED_TOKENS_STEP, mode). A batch job's groups of about 50 prompts
-# of 32-128 tokens, padded to 64 rows of the longest one's power-of-two width, are half padding
-# (tools/probes/prefill_cost.py). Fewer prompts (a server's few at a time) keep the padded graphs.
+# prompts back to back without padding (cache.PackedPrefillView), replayed as a graph per (prompts and tokens
+# each rounded up to a power of two, mode). A batch job's groups of about 50 prompts of 32-128 tokens, padded
+# to 64 rows of the longest one's power-of-two width, are half padding (tools/probes/prefill_cost.py). Fewer
+# prompts (a server's few at a time) keep the padded graphs. Powers of two, not finer token steps: each graph
+# is captured on first use (tens of ms of the engine's thread), steps of 512 tokens gave a batch job's first
+# wave dozens of shapes to capture, and its groups fill engine.max_prefill_tokens (4,096 by default) closely
+# enough to land in one bucket anyway.
 PACKED_PREFILL_MIN_PROMPTS = 16
-PACKED_TOKENS_STEP = 512
+PACKED_MIN_TOKENS = 512
 
 
 def packed_layout(prompts: int, tokens: int) -> tuple[int, int, int, int, int, int]:
@@ -344,9 +347,9 @@ class ModelRunner:
     def _start_packed(self, prompts: list[list[int]], slots: list[int], buffer: int, mode: str) -> Launch:
         """Start prompts (each within the context) packed back to back into their slots; as `start_prefill`.
 
-        On CUDA, replays the graph of the prompts' count rounded up to a power of two and their tokens rounded
-        up to PACKED_TOKENS_STEP: the padding prompts are empty (their header rows go to the scratch slot),
-        and the padding tokens, in no prompt, write their keys and values into the scratch slot.
+        On CUDA, replays the graph of the prompts' count and their tokens (from PACKED_MIN_TOKENS) each rounded
+        up to a power of two: the padding prompts are empty (their header rows go to the scratch slot), and the
+        padding tokens, in no prompt, write their keys and values into the scratch slot.
         """
         self.packed_prefills += 1
         batch = len(prompts)
@@ -356,7 +359,7 @@ class ModelRunner:
         count, tokens = batch, total
         if self.use_graphs:
             count = bucket_for(batch, self.packed_prompt_buckets)
-            tokens = -(-total // PACKED_TOKENS_STEP) * PACKED_TOKENS_STEP
+            tokens = max(PACKED_MIN_TOKENS, 1 << (total - 1).bit_length())
         at_ids, at_positions, at_slots, at_last, at_starts, end = packed_layout(count, tokens)
         host = self.host_packed[buffer]
         flat = host.numpy()
