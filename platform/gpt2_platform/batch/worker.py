@@ -130,10 +130,13 @@ class EngineWorker:
         # actor's warm-up, which a small job waits for in full.
         self.engine.start(modes=sampling_modes(spec.generation, spec.input, spec.task), warm_prefills=False)
         self.max_seq_len = self.engine.max_seq_len
-        # Start-up is most of a small job's wall time: say where it went, from the process's creation on.
+        # Start-up is most of a small job's wall time: say where it went, from the process's creation on. Ray
+        # starts workers ahead, so the process's age may include time it waited idle before this actor came
+        # to it; the driver's "Starting execution" line says when Ray Data asked for the actor.
         if age is not None:
             logger.info(
-                "actor process up %.1f s before its constructor ran (Ray worker start-up, then imports done at %.1f s)",
+                "actor process started %.1f s before its constructor ran (imports done at %.1f s; a worker Ray "
+                "started ahead counts its idle time too)",
                 age,
                 age - (constructed_at - IMPORTED_AT),
             )
