@@ -310,11 +310,9 @@ class ModelRunner:
         for row, prompt in enumerate(prompts):
             rows[row, PROMPT_HEADER : PROMPT_HEADER + len(prompt)] = prompt
         # One contiguous run of the buffer, up to the last row's last prompt column: a strided slice (only
-        # the columns some prompt reaches) is copied by torch through a pageable temporary, and that copy holds
-        # the host until the device has run everything queued before it, so the pipeline drained at every
-        # prefill (see `launch`). Padding past a prompt, stale or not, is never read as its own: causal
-        # attention keeps it out of the prompt's outputs, and decode steps overwrite those positions' cache
-        # entries before they read them.
+        # the columns some prompt reaches) would go through a pageable temporary (see `launch`). Padding past
+        # a prompt, stale or not, is never read as its own: causal attention keeps it out of the prompt's
+        # outputs, and decode steps overwrite those positions' cache entries before they read them.
         end = (rows_in - 1) * host.shape[1] + PROMPT_HEADER + longest
         self.staged_prompts.view(-1)[:end].copy_(host.view(-1)[:end], non_blocking=True)
         if graphed:
@@ -580,9 +578,9 @@ class ModelRunner:
         rows[3, :batch] = 1  # padding rows are fed position 0 of unused slots
         rows[3, continuing] = 0
         # The whole buffer (a few KB), not the columns [:batch]: that slice is strided, and torch copies a
-        # strided pinned tensor through a pageable temporary, whose copy holds the host until the device has
-        # run everything queued (the step in flight included), so the host's work per step stopped
-        # overlapping the device's (tools/probes/prefill_cost.py --job-prompts: "Memcpy HtoD (Pageable)").
+        # strided pinned tensor through a pageable temporary (a host allocation and an extra copy every step,
+        # and a copy CUDA may make wait for the stream). The step timed the same either way on an H200
+        # (docs/benchmarks.md); tests/test_gpu.py fails if a pageable copy comes back.
         self.staged.copy_(host, non_blocking=True)
         if self.use_graphs:
             graph, out = self.graphs.get((batch, span, mode)) or self._capture(batch, span, mode)
