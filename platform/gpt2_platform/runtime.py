@@ -13,8 +13,8 @@ from pathlib import Path
 import ray
 
 import gpt2_platform
-from gpt2_platform.ops.local_cluster import LOOPBACK_ONLY_VAR, ensure_private_token
 from gpt2_platform.ray_address import is_dashboard_url
+from gpt2_platform.ray_auth import LOOPBACK_ONLY_VAR, ensure_private_token
 
 logger = logging.getLogger(__name__)
 

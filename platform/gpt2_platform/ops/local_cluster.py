@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -26,6 +25,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from gpt2_platform.ray_auth import (  # noqa: F401  (part of this module's interface)
+    LOOPBACK_ONLY_VAR,
+    TOKEN_PATH_VAR,
+    TOKEN_VAR,
+    ensure_private_token,
+    token_file,
+)
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = Path("~/.gpt2-platform/cluster")
@@ -35,12 +42,6 @@ LOG_FILE = "head.log"
 MARKER_VAR = "GPT2_PLATFORM_CLUSTER"
 # What `ray start --block` prints once everything has started and it waits for a signal.
 BLOCKING_MESSAGE = "will now block forever"
-# Ray's own single-machine mode (the default on macOS and Windows): the node's address is 127.0.0.1, so the
-# GCS, raylet, object manager, agents and the metrics port all listen on loopback, and no other machine can join.
-LOOPBACK_ONLY_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-# Where Ray reads the token (in this order): the token itself, a file named by a variable, ~/.ray/auth_token.
-TOKEN_VAR = "RAY_AUTH_TOKEN"
-TOKEN_PATH_VAR = "RAY_AUTH_TOKEN_PATH"
 
 
 @dataclass
@@ -130,42 +131,6 @@ def cluster_env(state_dir: Path, base: Mapping[str, str] | None = None) -> dict[
         **{MARKER_VAR: str(state_dir)},
     )
     return env
-
-
-def token_file(env: Mapping[str, str]) -> Path | None:
-    """The file this environment's Ray reads its token from; None when RAY_AUTH_TOKEN holds the token itself."""
-    if env.get(TOKEN_VAR):
-        return None
-    if env.get(TOKEN_PATH_VAR):
-        return Path(env[TOKEN_PATH_VAR]).expanduser()
-    return Path(env.get("HOME") or Path.home()) / ".ray" / "auth_token"
-
-
-def ensure_private_token(env: Mapping[str, str]) -> Path | None:
-    """Make sure the token file of `env` exists and only its owner can read it; returns it (None: no file).
-
-    `ray get-auth-token --generate` and a new local `ray.init()` write the token with the umask's mode (0644
-    under the usual umask: readable by every user of the machine, and anyone holding it can run code on the
-    cluster). So a missing token is made here as Ray makes one (256 random bits, hex), but created 0600 in a
-    0700 directory, and a token readable by others is made private.
-    """
-    path = token_file(env)
-    if path is None:
-        return None
-    if not path.parent.exists():
-        path.parent.mkdir(mode=0o700, parents=True)
-    try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        mode = path.stat().st_mode & 0o777
-        if mode & 0o077:
-            path.chmod(0o600)
-            logger.warning("the Ray token %s was readable by others (mode %o); made it 0600", path, mode)
-        return path
-    with os.fdopen(descriptor, "w") as file:
-        file.write(secrets.token_hex(32))
-    logger.info("made a Ray token in %s (mode 600)", path)
-    return path
 
 
 def auth_token(env: Mapping[str, str], generate: bool = True) -> str:

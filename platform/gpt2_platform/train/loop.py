@@ -40,6 +40,7 @@ from gpt2_platform.train.run_checkpoint import (
 from gpt2_platform.train.scalars import ScalarLog
 from gpt2_platform.train.step import TrainStep, build_optimizer, lr_at, resolve_precision
 from gpt2_platform.train.throughput import mfu, peak_memory_gib, peak_tflops
+from gpt2_platform.worker_process import configure_worker_logging
 
 logger = logging.getLogger(__name__)
 
@@ -196,14 +197,9 @@ class Profiler:
 
 
 def _configure_worker_logging() -> None:
-    """Our package's INFO logs on the worker's console; the root logger (and Ray's) left alone."""
-    package_logger = logging.getLogger("gpt2_platform")
-    if not package_logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        package_logger.addHandler(handler)
-        package_logger.setLevel(logging.INFO)
-        package_logger.propagate = False
+    """Our package's INFO logs on the worker's console (as every Ray worker of ours shows them), and Ray
+    Train's and Ray Data's at WARNING."""
+    configure_worker_logging()
     # Ray Train logs every report and Ray Data every validation pass at INFO; keep their warnings only.
     names = ["ray.train", "ray.data"]
     try:  # Ray 2.60 logs each report under a logger named after this file's path, outside "ray.train".
