@@ -8,7 +8,7 @@ power-of-two width and row count. This prints, per (prompts, width), the device 
 torch's indexed assignment and by our kernel, and the kernels of one eager prefill. With
 `--job-prompts`, it then runs the engine as a batch job does (prompts of 32-128 tokens, 128 new, greedy)
 under torch.profiler, with packed prefills and then padded ones, and prints the device's time by kernel
-against the wall time.
+against the wall time; `--trace-out` also writes a timeline of 0.3 s of the packed run.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +104,8 @@ def job_profile(model: GPT2, args: argparse.Namespace, device: torch.device, pac
             started = time.perf_counter()
             done = engine.generate(batch, params)
             wall = time.perf_counter() - started
+        if packed and args.trace_out:
+            trace_window(engine, prompts()[: 2 * args.slots], params, args.trace_out)
     finally:
         engine.shutdown()
     tokens = sum(len(c.token_ids) for c in done)
@@ -116,6 +119,19 @@ def job_profile(model: GPT2, args: argparse.Namespace, device: torch.device, pac
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
 
 
+def trace_window(engine: Engine, batch: list[list[int]], params: GenerationParams, path: Path) -> None:
+    """A timeline (CPU and CUDA activity, every thread's CUDA API calls) of 0.3 s of the engine in its steady
+    state, as a Chrome trace: where the device waits between kernels, and what the engine thread does then."""
+    worker = threading.Thread(target=engine.generate, args=(batch, params))
+    worker.start()
+    time.sleep(1.0)  # past the first wave's prefills
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        time.sleep(0.3)
+    worker.join()
+    prof.export_chrome_trace(str(path))
+    print(f"\ntrace of 0.3 s of the packed job-like run: {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt2")
@@ -124,6 +140,7 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", default=["64x128", "32x128", "64x64", "8x128", "1x128"])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--job-prompts", type=int, default=0, help="then profile a job-like run of this many")
+    parser.add_argument("--trace-out", type=Path, help="with --job-prompts: a Chrome trace of 0.3 s of the packed run")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
