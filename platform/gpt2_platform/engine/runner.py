@@ -678,11 +678,16 @@ class ModelRunner:
             self.prefill([[0] * width], [0])  # one prompt (on CUDA, through its greedy graph)
             if self.num_slots > 1:
                 self.prefill([[0] * width] * 2, [0, 1])  # several
-            if self.use_graphs and self.num_slots > self.graphed_prefill_max:  # more than a graph takes: eager
+            eager_many = self.use_graphs and self.num_slots > self.graphed_prefill_max and not self.packed_prefill
+            if eager_many:  # more than a graph takes: eager (with packing on, such a group runs packed)
                 many = self.graphed_prefill_max + 1
                 self.prefill([[0] * width] * many, list(range(many)))
             for batch in self.prefill_batch_buckets:
                 warm = self._graphed_prefill(batch, width) and batch * width <= WARM_PREFILL_TOKENS
+                # With packing on, a padded graph of more rows than PACKED_PREFILL_MIN_PROMPTS never replays:
+                # 17 prompts or more within GRAPHED_PREFILL_TOKENS run packed, and more tokens than that are
+                # more than any such graph holds.
+                warm = warm and not (self.packed_prefill and batch > PACKED_PREFILL_MIN_PROMPTS)
                 for mode in modes if warm else ():
                     if (batch, width, mode) not in self.prefill_graphs:
                         self._capture_prefill(batch, width, mode)
