@@ -536,3 +536,24 @@ def test_a_packed_prefill_fills_the_cache_and_picks_as_the_padded_one(model, sam
     for step in range(3):
         steps = [r.launch(active, slots, max(map(len, prompts)) + step).tokens() for r in (packed, padded)]
         assert steps[0] == steps[1]
+
+
+def test_a_compile_cache_dir_is_where_triton_and_torch_compile_keep_their_caches(model, tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    triton = pytest.importorskip("triton")  # a dev dependency on Linux
+    for variable in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(variable, raising=False)  # and put back as they were after the test
+    directory = tmp_path / "compile-cache"
+    engine = Engine(model, byte_tokenizer(), EngineConfig(max_batch_size=2, compile_cache_dir=str(directory)))
+    try:
+        # Each library's own answer to "where is my cache", as it asks whenever it compiles.
+        assert triton.knobs.cache.dir == str(directory / "triton")
+        assert cache_dir() == str(directory / "inductor")
+        assert (directory / "triton").is_dir() and (directory / "inductor").is_dir()
+    finally:
+        engine.shutdown()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"^engine.compile_cache_dir .*a-file: cannot make .*writable directory"):
+        Engine(model, byte_tokenizer(), EngineConfig(max_batch_size=2, compile_cache_dir=str(blocker)))

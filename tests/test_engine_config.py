@@ -25,6 +25,7 @@ BAD_ENGINE_VALUES = [
     ("dtype", "fp8"),
     ("decode_kernels", "cuda"),
     ("max_prefill_tokens", 0),
+    ("compile_cache_dir", ""),
 ]
 
 
@@ -43,6 +44,7 @@ def test_serve_and_the_batch_job_take_the_same_engine_config_with_the_same_defau
 
 def test_the_same_engine_values_give_the_same_config_in_both():
     values = {"max_batch_size": 8, "max_seq_len": 64, "dtype": "fp32", "compile": False, "max_prefill_tokens": 256}
+    values["compile_cache_dir"] = "/shared/gpt2-compile-cache"
     batched = load_batch(*(f"engine.{name}={str(value).lower()}" for name, value in values.items())).engine
     assert AppArgs.model_validate({"engine": values}).engine == batched == EngineConfig(**values)
 

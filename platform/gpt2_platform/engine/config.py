@@ -53,6 +53,12 @@ class EngineConfig:
     model's own modules, compiled with `compile`), or "auto": triton on CUDA where triton is installed."""
     max_prefill_tokens: int = 4096
     """Prompt tokens admitted per iteration, bounding how long running sequences wait for a prefill."""
+    compile_cache_dir: str | None = None
+    """Where the engine's process keeps Triton's kernel cache and torch.compile's caches (made if missing).
+    A machine that has never run the engine compiles every kernel at warm-up, a large share of a cold
+    start; a directory that outlives the machine (shared storage, a persistent volume, beside the model)
+    hands the next one its kernels compiled. None: their own defaults (~/.triton/cache and the system's
+    temporary directory), which a fresh machine or container starts without."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -65,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"engine.decode_kernels must be auto, triton or torch, got {self.decode_kernels!r}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"engine.max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.compile_cache_dir is not None and not str(self.compile_cache_dir).strip():
+            raise ValueError("engine.compile_cache_dir must be a directory or null (the caches' own defaults), got ''")
 
 
 @dataclass(frozen=True)

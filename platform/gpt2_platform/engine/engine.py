@@ -21,6 +21,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -93,11 +94,33 @@ def resolve_decode_kernels(name: str, device: torch.device, model_config=None) -
     return name
 
 
+def use_compile_cache(directory: str) -> None:
+    """Point this process's Triton kernel cache and torch.compile's (inductor's) caches into `directory`.
+
+    Both read their variable whenever they compile, so this holds for every kernel compiled after it (the
+    engine compiles only at warm-up and on first use, after its constructor); the variables also reach
+    the processes inductor compiles in.
+    """
+    root = Path(directory).expanduser().resolve()
+    for variable, name in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        path = root / name
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(
+                f"engine.compile_cache_dir {directory}: cannot make {path} ({error.strerror}); point it at a "
+                "writable directory or set it to null"
+            ) from error
+        os.environ[variable] = str(path)
+
+
 class Engine:
     def __init__(
         self, model: GPT2, tokenizer: PreTrainedTokenizerBase, config: EngineConfig, device: torch.device | None = None
     ) -> None:
         device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if config.compile_cache_dir is not None:
+            use_compile_cache(config.compile_cache_dir)
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
