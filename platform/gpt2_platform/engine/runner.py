@@ -118,7 +118,7 @@ class ModelRunner:
         packed_prefill: bool | None = None,
     ) -> None:
         """`packed_prefill`: run groups of prompts packed (PACKED_PREFILL_MIN_PROMPTS); None: on CUDA in bf16 or
-        fp16, where torch has variable-length (flash) attention, which takes no fp32."""
+        fp16 on an Ampere or later GPU, where torch has variable-length (flash) attention."""
         self.model = model.to(device=device, dtype=dtype).eval()
         # Ids at or past the limit are never sampled: a model's vocabulary is often padded past its
         # tokenizer's (50304 for 50257), and those ids decode to nothing.
@@ -189,8 +189,12 @@ class ModelRunner:
         ]
         self.host_firsts = [torch.zeros(num_slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         if packed_prefill is None:
+            # Variable-length attention is flash attention's: half precision, and GPUs from Ampere (sm80) on.
             packed_prefill = (
-                device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and varlen_attention_available()
+                device.type == "cuda"
+                and dtype in (torch.bfloat16, torch.float16)
+                and torch.cuda.get_device_capability(device) >= (8, 0)
+                and varlen_attention_available()
             )
         self.packed_prefill = packed_prefill
         self.packed_prefills = 0  # how many ran packed
