@@ -557,3 +557,20 @@ def test_a_compile_cache_dir_is_where_triton_and_torch_compile_keep_their_caches
     blocker.write_text("")
     with pytest.raises(ValueError, match=r"^engine.compile_cache_dir .*a-file: cannot make .*writable directory"):
         Engine(model, byte_tokenizer(), EngineConfig(max_batch_size=2, compile_cache_dir=str(blocker)))
+
+
+def test_an_engine_with_packed_prefill_generates_what_one_without_it_does(model):
+    """engine.packed_prefill reaches the runner: 20 prompts admitted together run packed (on a CPU, one
+    attention a prompt), and every sequence gets the tokens the padded prefill gives it."""
+    prompts = [[(5 * i + j) % 250 + 1 for j in range(3 + (7 * i) % 40)] for i in range(20)]
+    params = GenerationParams(max_tokens=6, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+    results = {}
+    for packed in (True, False):
+        config = EngineConfig(max_batch_size=24, max_seq_len=64, dtype="fp32", packed_prefill=packed)
+        engine = Engine(model, byte_tokenizer(), config).start()
+        try:
+            results[packed] = [c.token_ids for c in engine.generate(prompts, params)]
+            assert engine.stats()["packed_prefills"] == (1 if packed else 0)
+        finally:
+            engine.shutdown()
+    assert results[True] == results[False]

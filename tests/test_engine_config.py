@@ -44,7 +44,7 @@ def test_serve_and_the_batch_job_take_the_same_engine_config_with_the_same_defau
 
 def test_the_same_engine_values_give_the_same_config_in_both():
     values = {"max_batch_size": 8, "max_seq_len": 64, "dtype": "fp32", "compile": False, "max_prefill_tokens": 256}
-    values["compile_cache_dir"] = "/shared/gpt2-compile-cache"
+    values |= {"compile_cache_dir": "/shared/gpt2-compile-cache", "packed_prefill": False}
     batched = load_batch(*(f"engine.{name}={str(value).lower()}" for name, value in values.items())).engine
     assert AppArgs.model_validate({"engine": values}).engine == batched == EngineConfig(**values)
 

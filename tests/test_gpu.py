@@ -206,6 +206,8 @@ def test_packed_prefill_graphs_fill_the_cache_as_the_padded_graphs_do_in_bf16():
         packed: ModelRunner(model, 64, 128, torch.bfloat16, device, cuda_graphs=True, packed_prefill=packed)
         for packed in (True, False)
     }
+    with pytest.raises(ValueError, match="engine.packed_prefill=true needs bf16 or fp16"):
+        ModelRunner(model, 8, 64, torch.float32, device, cuda_graphs=True, packed_prefill=True)
     packed, padded = runners[True], runners[False]
     for runner in runners.values():
         runner.warmup(("greedy",))

@@ -87,10 +87,8 @@ def profile_one(runner: ModelRunner, batch: int, width: int, vocab: int) -> None
 
 
 def job_profile(model: GPT2, args: argparse.Namespace, device: torch.device, packed: bool) -> None:
-    config = EngineConfig(max_batch_size=args.slots, max_seq_len=args.max_seq_len, dtype="bf16")
-    engine = Engine(model, byte_tokenizer(), config, device=device)
-    engine.runner.packed_prefill = packed  # the runner's own switch, set before the engine's loop starts
-    engine.start(modes=("greedy",))
+    config = EngineConfig(max_batch_size=args.slots, max_seq_len=args.max_seq_len, dtype="bf16", packed_prefill=packed)
+    engine = Engine(model, byte_tokenizer(), config, device=device).start(modes=("greedy",))
     rng = random.Random(0)
     params = GenerationParams(max_tokens=128, ignore_eos=True, sampling=SamplingParams(temperature=0))
 

@@ -53,6 +53,11 @@ class EngineConfig:
     model's own modules, compiled with `compile`), or "auto": triton on CUDA where triton is installed."""
     max_prefill_tokens: int = 4096
     """Prompt tokens admitted per iteration, bounding how long running sequences wait for a prefill."""
+    packed_prefill: bool | None = None
+    """Run 16 or more prompts admitted together back to back without padding (a batch job's groups; a server's
+    under load). None: where it runs, on CUDA in bf16 or fp16 on an Ampere or later GPU; true elsewhere on
+    CUDA is refused (flash attention's variable-length kernel takes no fp32); on a CPU it runs one attention
+    a prompt."""
     compile_cache_dir: str | None = None
     """Where the engine's process keeps Triton's kernel cache and torch.compile's caches (made if missing).
     A machine that has never run the engine compiles every kernel at warm-up, a large share of a cold

@@ -136,6 +136,7 @@ class Engine:
             compile_step=device.type == "cuda" if config.compile is None else config.compile,
             vocab_limit=len(tokenizer),
             decode_kernels=resolve_decode_kernels(config.decode_kernels, device, model.config),
+            packed_prefill=config.packed_prefill,
         )
         if self.runner.vocab_limit < model.config.vocab_size:
             logger.info(

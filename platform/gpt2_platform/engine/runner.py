@@ -188,13 +188,19 @@ class ModelRunner:
             torch.zeros(self.staged_prompts.shape, dtype=torch.long, pin_memory=pinned) for _ in range(2)
         ]
         self.host_firsts = [torch.zeros(num_slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        # Variable-length attention is flash attention's: half precision, and GPUs from Ampere (sm80) on.
+        packs_on_device = device.type != "cuda" or (
+            dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(device) >= (8, 0)
+            and varlen_attention_available()
+        )
         if packed_prefill is None:
-            # Variable-length attention is flash attention's: half precision, and GPUs from Ampere (sm80) on.
-            packed_prefill = (
-                device.type == "cuda"
-                and dtype in (torch.bfloat16, torch.float16)
-                and torch.cuda.get_device_capability(device) >= (8, 0)
-                and varlen_attention_available()
+            packed_prefill = device.type == "cuda" and packs_on_device
+        elif packed_prefill and not packs_on_device:
+            raise ValueError(
+                "engine.packed_prefill=true needs bf16 or fp16 on an Ampere or later GPU (flash attention's "
+                f"variable-length kernel), with a torch that has it; this engine is {dtype} on "
+                f"{torch.cuda.get_device_name(device)}: set engine.packed_prefill to null or false"
             )
         self.packed_prefill = packed_prefill
         self.packed_prefills = 0  # how many ran packed
