@@ -20,9 +20,6 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # up to one poll, and so do noticing a failed worker and a finished run. Ray Train passes the variable
 # from the driver to its controller and workers. Tests' runs report every few steps: poll faster.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-# As init_ray sets for an embedded cluster (runtime.py): the preemption watcher waits for a drain that a
-# one-node cluster never has, and is one more actor process to start for every run.
-os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # Ray exports metrics to the node's Prometheus endpoint every 10 s by default: a test that waits for its
 # metric line (prometheus_lines) waited up to that long. A gauge stays on the endpoint for two intervals
 # after its process last exported it (a finished run's worker): 10 s, ample for a test that scrapes
@@ -34,7 +31,14 @@ if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from gpt2_platform import demo_data  # noqa: E402
+from gpt2_platform.runtime import set_local_worker_env  # noqa: E402
 from gpt2_platform.train import config as config_lib  # noqa: E402
+
+# As init_ray does for an embedded cluster, for every Ray a test starts here (the session's, a test's own
+# head): the package by PYTHONPATH, not a py_modules runtime env (a worker with one cannot be one Ray started
+# ahead, so every actor waited seconds more), ahead of the venv's editable install, so workers run this
+# checkout's code; and no preemption watcher per training run.
+set_local_worker_env()
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,16 +48,6 @@ def ray_cluster() -> Iterator[None]:
     """One embedded local Ray for the whole session (started on first use, stopped at the end)."""
     import ray
 
-    import gpt2_platform
-
-    # As init_ray does for an embedded cluster (runtime.py): the package reaches the workers by PYTHONPATH (the
-    # raylet and its workers inherit this environment), not a py_modules runtime env. A worker with a runtime
-    # env cannot be one Ray started ahead, so every actor (a batch job's, a Serve replica) waited seconds more
-    # for its process. PYTHONPATH comes before the venv's editable install: workers run this checkout's code.
-    package_parent = str(Path(gpt2_platform.__file__).resolve().parent.parent)
-    paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
-    if package_parent not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([package_parent, *paths])
     ray.init(num_cpus=4, object_store_memory=400 * 2**20, include_dashboard=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield

@@ -56,6 +56,22 @@ class _DropMessage(logging.Filter):
 _TOKEN_AUTH_NOTICE = _DropMessage("Token authentication is enabled for this Ray cluster")
 
 
+def set_local_worker_env() -> None:
+    """What the workers of a Ray started from this process (they inherit its environment) need, set in it.
+
+    - The package by PYTHONPATH, first, not a py_modules runtime env: the workers run on this machine, from
+      these files, and a worker with a runtime env waits for it to be unpacked and cannot be one of the
+      workers Ray starts ahead: time before a batch actor's constructor runs (tools/probes/actor_startup.py
+      measures it).
+    - Ray Train's preemption watcher off: it waits for nodes to be drained, which a one-node cluster never
+      is, and Ray logs an error-level line for every run that starts it.
+    """
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    if str(PACKAGE_DIR.parent) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent), *paths])
+
+
 def _prepare_local_cluster() -> dict:
     """Environment and ray.init() arguments for a new embedded cluster; the environment reaches every worker
     (the local raylet inherits this process's).
@@ -65,23 +81,14 @@ def _prepare_local_cluster() -> dict:
     - Ray's state API (which Ray Train's placement-group cleaner polls from a worker) finds its dashboard by
       looking for running GCS processes, and fails with a traceback when another Ray runs on this machine.
       Naming the dashboard (on a port chosen here) in RAY_API_SERVER_ADDRESS points it at this cluster.
-    - Ray Train's preemption watcher waits for nodes to be drained, which an embedded one-node cluster never
-      is; Ray logs an error-level line for every run that starts it.
-    - The package goes on PYTHONPATH (see below).
+    - The workers' environment: `set_local_worker_env`.
     """
     if os.environ.get("RAY_AUTH_MODE", "token").lower() == "token":
         ensure_private_token(os.environ)
         notices = logging.getLogger("ray._private.authentication.authentication_token_setup")
         if _TOKEN_AUTH_NOTICE not in notices.filters:
             notices.addFilter(_TOKEN_AUTH_NOTICE)
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    # The package reaches this cluster's workers by PYTHONPATH, not a py_modules runtime env: they run on
-    # this machine, from these files, and a worker with a runtime env waits for it to be unpacked and cannot
-    # be one of the workers Ray starts ahead: time before a batch actor's constructor runs
-    # (tools/probes/actor_startup.py measures it).
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if str(PACKAGE_DIR.parent) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent), *filter(None, paths)])
+    set_local_worker_env()
     port = _free_port()
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     return {"dashboard_host": "127.0.0.1", "dashboard_port": port}

@@ -7,7 +7,8 @@ at small batches (some 200 kernels whatever the batch), so prompts prefilled tog
 about what one costs: this prints, per number of prompts admitted together, the device time of one
 prefill (CUDA events around many back-to-back prefills), the host time the engine's thread spends
 starting one on an idle device, and the device time per prompt. Up to `GRAPHED_PREFILL_MAX` prompts replay a captured
-graph of their batch bucket; more take one eager prefill. Needs a GPU.
+graph of their batch bucket; more take one eager prefill. Packing is off here: these are the padded prefills (groups
+of 16 or more run packed in the engine; `prefill_cost.py --job-prompts` compares the two). Needs a GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def main() -> int:
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = GPT2(preset(args.preset))
-    runner = ModelRunner(model, 256, 2 * args.prompt_tokens, torch.bfloat16, device, cuda_graphs=True)
+    runner = ModelRunner(
+        model, 256, 2 * args.prompt_tokens, torch.bfloat16, device, cuda_graphs=True, packed_prefill=False
+    )
     runner.warmup(("greedy",))
     print(f"{args.preset}, {args.prompt_tokens}-token prompts, bf16, greedy; graphs up to {runner.graphed_prefill_max}")
     print("| prompts | path | device ms per prefill | host ms to start it | device ms per prompt |")

@@ -470,7 +470,13 @@ class ModelRunner:
         return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
     def _graphed_prefill(self, batch: int, width: int) -> bool:
-        """Whether a prefill of `batch` rows (a batch bucket) at `width` replays a graph."""
+        """Whether a prefill of `batch` rows (a batch bucket) at `width` replays a padded graph.
+
+        With packing on, none of more rows than PACKED_PREFILL_MIN_PROMPTS does: 17 prompts or more within
+        GRAPHED_PREFILL_TOKENS run packed, and more tokens than that are more than such a graph holds.
+        """
+        if self.packed_prefill and batch > PACKED_PREFILL_MIN_PROMPTS:
+            return False
         return self.use_graphs and batch <= self.graphed_prefill_max and batch * width <= GRAPHED_PREFILL_TOKENS
 
     def _capture_prefill(self, batch: int, width: int, mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -694,10 +700,6 @@ class ModelRunner:
                 self.prefill([[0] * width] * many, list(range(many)))
             for batch in self.prefill_batch_buckets:
                 warm = self._graphed_prefill(batch, width) and batch * width <= WARM_PREFILL_TOKENS
-                # With packing on, a padded graph of more rows than PACKED_PREFILL_MIN_PROMPTS never replays:
-                # 17 prompts or more within GRAPHED_PREFILL_TOKENS run packed, and more tokens than that are
-                # more than any such graph holds.
-                warm = warm and not (self.packed_prefill and batch > PACKED_PREFILL_MIN_PROMPTS)
                 for mode in modes if warm else ():
                     if (batch, width, mode) not in self.prefill_graphs:
                         self._capture_prefill(batch, width, mode)

@@ -55,16 +55,17 @@ class GPT2Engine:
         self.metrics = ServeMetrics(model_name)
         self.metrics.start_sampling(self.engine.stats)
         # A replica's ready time is a target (docs/benchmarks.md): where it went, the engine process's share
-        # in that process's own log line.
+        # in that process's own log line. As for a batch actor (batch/worker.py), a worker Ray started ahead
+        # counts its idle time in its age.
         logger.info(
-            "engine for %s from %s ready (%s), process %s: replica up %.1f s before its constructor (Ray's worker "
-            "start-up, then imports), engine process %.1f s",
+            "engine for %s from %s ready (%s), process %s: the engine process took %.1f s; this replica's "
+            "process started %s before its constructor",
             model_name,
             model,
             config,
             self.engine.pid,
-            age or 0.0,
             time.perf_counter() - started,
+            "?" if age is None else f"{age:.1f} s",
         )
 
     def connect(self, address: Address, authkey: bytes) -> None:
