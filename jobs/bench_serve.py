@@ -52,6 +52,7 @@ def start_app(args: argparse.Namespace) -> dict:
         stream_interval_ms=args.stream_interval_ms,
         ingress_replicas=args.ingress_replicas,
         ingress=args.ingress,
+        compile_cache_dir=args.compile_cache_dir,
     )
 
 
@@ -112,6 +113,11 @@ def parse_args() -> argparse.Namespace:
         default="proxy",
         help="how HTTP reaches the ingress replicas: Serve's Python proxy (default), direct ingress (one "
         "replica serves the port), or HAProxy balancing every replica (RAY_SERVE_ENABLE_HA_PROXY)",
+    )
+    started.add_argument(
+        "--compile-cache-dir",
+        help="engine.compile_cache_dir: keep Triton's and torch.compile's caches here (a cold start with this "
+        "directory carried over from another machine finds its kernels compiled)",
     )
     started.add_argument(
         "--engine-baseline",

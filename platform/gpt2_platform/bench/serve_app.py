@@ -39,6 +39,7 @@ def start(
     stream_interval_ms: float = 20.0,
     ingress_replicas: int = 1,
     ingress: str = "proxy",
+    compile_cache_dir: str | None = None,
 ) -> dict[str, Any]:
     """Write the model, start Serve on `port` and deploy `ingress_replicas` ingress replicas in front of
     one engine (on the GPU if there is one); returns what was deployed."""
@@ -66,7 +67,12 @@ def start(
     args = {
         "model": str(model_dir),
         "served_model_name": preset_name,
-        "engine": {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len, "compile": compile_step},
+        "engine": {
+            "max_batch_size": max_batch_size,
+            "max_seq_len": max_seq_len,
+            "compile": compile_step,
+            "compile_cache_dir": compile_cache_dir,
+        },
         # Room for the whole sweep: a benchmark measures the engine, not the admission limits.
         "limits": {
             "max_waiting": 4 * max_batch_size,
