@@ -268,8 +268,14 @@ def test_a_sampling_mode_left_out_of_the_warm_up_is_captured_on_first_use():
         engine = Engine(model, byte_tokenizer(), config).start(modes=modes)
         try:
             assert {mode for _, _, mode in engine.runner.graphs} == set(modes)
+            assert engine.stats()["captures_on_use"] == 0  # warm-up's captures are not counted as first use
             results.append(engine.generate([[1, 2, 3]], sampled)[0].token_ids)
             assert "plain" in {mode for _, _, mode in engine.runner.graphs}
+            stats = engine.stats()
+            if modes == ("greedy",):  # the plain mode's decode graph (at least) was captured on first use
+                assert stats["captures_on_use"] >= 1 and stats["capture_on_use_s"] > 0
+            else:
+                assert stats["captures_on_use"] == 0
         finally:
             engine.shutdown()
     assert results[0] == results[1]

@@ -14,6 +14,9 @@ against the wall time; `--trace-out` also writes a timeline of 0.3 s of the pack
 from __future__ import annotations
 
 import argparse
+import collections
+import itertools
+import json
 import random
 import sys
 import threading
@@ -103,7 +106,7 @@ def job_profile(model: GPT2, args: argparse.Namespace, device: torch.device, pac
             done = engine.generate(batch, params)
             wall = time.perf_counter() - started
         if packed and args.trace_out:
-            trace_window(engine, prompts()[: 2 * args.slots], params, args.trace_out)
+            trace_window(engine, prompts(), params, args.trace_out)
     finally:
         engine.shutdown()
     tokens = sum(len(c.token_ids) for c in done)
@@ -122,12 +125,54 @@ def trace_window(engine: Engine, batch: list[list[int]], params: GenerationParam
     state, as a Chrome trace: where the device waits between kernels, and what the engine thread does then."""
     worker = threading.Thread(target=engine.generate, args=(batch, params))
     worker.start()
-    time.sleep(1.0)  # past the first wave's prefills
+    time.sleep(1.0)  # past the first wave's prefills, and well before the job's end (a few seconds)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         time.sleep(0.3)
     worker.join()
     prof.export_chrome_trace(str(path))
     print(f"\ntrace of 0.3 s of the packed job-like run: {path}")
+    print_gaps(path)
+
+
+def print_gaps(path: Path) -> None:
+    """Where the device idled in a trace, and whether the host was late: each gap between kernels, by size,
+    with how many of them the host's launch (of the kernel after the gap) came after the gap had begun."""
+    events = json.loads(path.read_text())["traceEvents"]
+    kernels = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"]
+    )
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    if len(kernels) < 2:
+        print("no kernels in the trace window")
+        return
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    busy = sum(k["dur"] for k in kernels)
+    sizes = [(0, 5), (5, 50), (50, 500), (500, float("inf"))]
+    counts = {size: [0, 0.0, 0] for size in sizes}  # gaps, their microseconds, the host's launch late
+    runtime = collections.Counter()
+    for before, after in itertools.pairwise(kernels):
+        start = before["ts"] + before["dur"]
+        gap = after["ts"] - start
+        if gap <= 0:
+            continue
+        size = next(s for s in sizes if s[0] <= gap < s[1])
+        counts[size][0] += 1
+        counts[size][1] += gap
+        launch = launches.get(after.get("args", {}).get("correlation"))
+        if launch is not None and launch["ts"] > start:
+            counts[size][2] += 1
+            if gap >= 50:
+                runtime[launch["name"]] += 1
+    print(f"device busy {busy / span:.0%} of {span / 1e3:.1f} ms between the window's first and last kernels")
+    print("| gap between kernels us | gaps | idle ms | of the window | host launched after the gap began |")
+    print("|---|---:|---:|---:|---:|")
+    for (low, high), (n, total, late) in counts.items():
+        print(f"| {low}-{high} | {n} | {total / 1e3:.2f} | {total / span:.1%} | {late} |")
+    print(f"calls that launched the work after a gap of 50 us or more, late: {dict(runtime.most_common(6))}")
 
 
 def main() -> int:

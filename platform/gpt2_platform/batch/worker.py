@@ -174,9 +174,10 @@ class EngineWorker:
                 )
             elif steps or stats["waiting"]:
                 elapsed = now - then
+                captures = stats["captures_on_use"] - before["captures_on_use"]
                 logger.info(
                     "engine: %.0f tokens/s, %.0f steps/s at %.0f rows a step (of %d slots), %d rows finished, "
-                    "%d waiting, idle %.0f%% of the last %.0f s",
+                    "%d waiting, idle %.0f%% of the last %.0f s%s",
                     tokens / elapsed,
                     steps / elapsed,
                     tokens / max(steps, 1),
@@ -185,6 +186,12 @@ class EngineWorker:
                     stats["waiting"],
                     100 * (stats["idle_s"] - before["idle_s"]) / elapsed,
                     elapsed,
+                    (
+                        f"; {captures} graphs captured on first use in "
+                        f"{stats['capture_on_use_s'] - before['capture_on_use_s']:.1f} s"
+                        if captures
+                        else ""
+                    ),
                 )
             before, then = stats, now
 

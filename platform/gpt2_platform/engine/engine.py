@@ -353,6 +353,8 @@ class Engine:
             "first_token_s": self.first_token_s,
             "first_tokens": self.num_first_tokens,
             "idle_s": self.idle_s,
+            "captures_on_use": self.runner.captures_on_use,
+            "capture_on_use_s": self.runner.capture_on_use_s,
             "batch_sizes": dict(sorted(self.batch_sizes.items())),
         }
 

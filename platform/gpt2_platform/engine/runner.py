@@ -211,6 +211,10 @@ class ModelRunner:
         self.packed_graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_done: list[torch.cuda.Event | None] = [None, None]  # when each host buffer is free again
         self.prefills = 0
+        # Graphs captured after warm-up, when a shape is first met, and the seconds they took.
+        self.captures_on_use = 0
+        self.capture_on_use_s = 0.0
+        self._warming = False
         self.prompt_positions = torch.arange(max_seq_len, device=device)[None, :]
         # Compiled with dynamic shapes, the step fuses its small kernels (layer norms, GELU,
         # residuals, cache writes) once for every bucket; the graphs are then captured around it.
@@ -649,6 +653,7 @@ class ModelRunner:
         share one memory pool: each output is read (copied to the host) right after its replay, before
         any other graph runs on the stream and may reuse that memory.
         """
+        captured_from = time.perf_counter()
         saved = [t.clone() for t in keep]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -661,6 +666,9 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool()):
             out = step()
+        if not self._warming:  # a capture on first use holds up the engine's thread: the job's log says so
+            self.captures_on_use += 1
+            self.capture_on_use_s += time.perf_counter() - captured_from
         return graph, out
 
     def _pool(self):
@@ -679,6 +687,27 @@ class ModelRunner:
         unknown = set(modes) - set(SAMPLING_MODES)
         assert not unknown, f"unknown sampling modes {unknown}"
         start = time.perf_counter()
+        self._warming = True
+        try:
+            decode_s = self._warm(modes, prefills)
+        finally:
+            self._warming = False
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "engine warm: %d batch x %d span shapes x %d modes%s in %.1f s (decode %.1f s, prefill %.1f s)",
+            len(self.batch_buckets),
+            len(self.span_buckets),
+            len(modes),
+            " captured as CUDA graphs" if self.use_graphs else "",
+            elapsed,
+            decode_s,
+            elapsed - decode_s,
+        )
+        return elapsed
+
+    def _warm(self, modes: tuple[str, ...], prefills: bool) -> float:
+        """Warm-up's work; returns the seconds the decode shapes took."""
+        start = time.perf_counter()
         self.positions.zero_()
         self.staged.zero_()  # every row fed position 0 while warming up
         self.staged[3] = 1
@@ -689,7 +718,7 @@ class ModelRunner:
                         self._capture(batch, span, mode)
                     else:
                         self._decode_step(batch, span, mode)
-        decoded = time.perf_counter()
+        decode_s = time.perf_counter() - start
         for width in self.prefill_buckets if prefills else ():
             self.prefill([[0] * width], [0])  # one prompt (on CUDA, through its greedy graph)
             if self.num_slots > 1:
@@ -705,18 +734,7 @@ class ModelRunner:
                         self._capture_prefill(batch, width, mode)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - start
-        logger.info(
-            "engine warm: %d batch x %d span shapes x %d modes%s in %.1f s (decode %.1f s, prefill %.1f s)",
-            len(self.batch_buckets),
-            len(self.span_buckets),
-            len(modes),
-            " captured as CUDA graphs" if self.use_graphs else "",
-            elapsed,
-            decoded - start,
-            elapsed - (decoded - start),
-        )
-        return elapsed
+        return decode_s
 
 
 class Launch:
