@@ -72,7 +72,7 @@ def test_decode_attention_writes_the_step_and_attends_up_to_each_rows_own_positi
 def test_a_prefill_view_writes_the_cache_with_the_kernel_where_the_indexed_assignment_does(slots):
     # The keys and values are views of the input projection's (B, T, 3C) output, as the model makes them.
     # One prompt is its own case: its flattened slots are a zero-stride view unless copied.
-    from gpt2_platform.engine.cache import KVCache, PrefillView
+    from gpt2_platform.engine.cache import KVCache
 
     torch.manual_seed(2)
     config = preset("tiny")
@@ -84,8 +84,11 @@ def test_a_prefill_view_writes_the_cache_with_the_kernel_where_the_indexed_assig
     written = {}
     for kernel_write in (False, True):
         cache = KVCache(config, 6, 8, torch.float32, torch.device("cpu"))
-        # On CPU the view would not choose the kernel by itself (it runs here in Triton's interpreter).
-        PrefillView(cache, slots, positions, write_kernel=kernel_write).attend(0, q, k, v, 1.0)
+        # On CPU the cache would not choose the kernel by itself (it runs here in Triton's interpreter).
+        cache.prefill_write_kernel = kernel_write
+        view = cache.prefill(slots, positions)
+        assert view.write_kernel is kernel_write
+        view.attend(0, q, k, v, 1.0)
         written[kernel_write] = cache.kv[0]
     assert written[False].abs().sum() > 0 and torch.equal(written[True], written[False])
 

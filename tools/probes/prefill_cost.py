@@ -29,7 +29,6 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from gpt2_platform.bench.generation import random_prompts  # noqa: E402
-from gpt2_platform.engine.cache import PrefillView  # noqa: E402
 from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
 from gpt2_platform.engine.runner import PROMPT_HEADER, ModelRunner  # noqa: E402
 from gpt2_platform.engine.sampling import SamplingParams  # noqa: E402
@@ -52,11 +51,11 @@ def device_ms(fn, repeats: int) -> float:
 def prefill_table(model: GPT2, args: argparse.Namespace, device: torch.device) -> None:
     times: dict[str, dict[str, float]] = {}
     for variant, kernel_write in (("indexed assignment", False), ("our kernel", True)):
-        PrefillView.kernel_write = kernel_write
         # The padded graphs: groups of 16 or more would otherwise run packed (the job-like runs compare both).
         runner = ModelRunner(
             model, args.slots, args.max_seq_len, torch.bfloat16, device, cuda_graphs=True, packed_prefill=False
         )
+        runner.cache.prefill_write_kernel = kernel_write
         runner.warmup(("greedy",))
         for shape in args.shapes:
             batch, width = (int(v) for v in shape.split("x"))

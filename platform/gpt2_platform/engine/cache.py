@@ -34,6 +34,10 @@ class KVCache:
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
+        # How a prefill writes its keys and values: None chooses (our kernel, kernels.write_cache, on CUDA
+        # where Triton is installed); False keeps the indexed assignment (tools/probes/prefill_cost.py times
+        # both; tests force either).
+        self.prefill_write_kernel: bool | None = None
 
     @property
     def nbytes(self) -> int:
@@ -51,17 +55,11 @@ class KVCache:
 class PrefillView:
     """Writes the prompt's keys and values; attention is plain causal over the prompt itself."""
 
-    kernel_write = True
-    """On CUDA, write the cache with our kernel (kernels.write_cache); False keeps the indexed assignment
-    (tools/probes/prefill_cost.py times both)."""
-
-    def __init__(
-        self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, write_kernel: bool | None = None
-    ) -> None:
-        """`write_kernel`: None chooses (our kernel on CUDA, where Triton is installed); tests force it."""
+    def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.cache, self.slots, self.positions = cache, slots[:, None], positions
+        write_kernel = cache.prefill_write_kernel
         if write_kernel is None:
-            write_kernel = self.kernel_write and cache.kv[0].is_cuda and kernels.available()
+            write_kernel = cache.kv[0].is_cuda and kernels.available()
         self.write_kernel = write_kernel
         if write_kernel:  # each token's slot and position, flattened as the kernel reads them
             # contiguous(): for one prompt, reshape keeps the expand's zero stride (a view, not a copy).
