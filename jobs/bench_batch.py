@@ -40,6 +40,13 @@ def main() -> int:
     parser.add_argument("--naive-batch", type=int, default=64)
     parser.add_argument("--compile", action="store_true", help="torch.compile our engine's decode step")
     parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a batch-job setting for every run of ours (e.g. scaling.concurrent_batches_per_actor=4); repeatable",
+    )
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     configure_logging()
@@ -52,11 +59,20 @@ def main() -> int:
     max_seq_len = args.max_prompt_tokens + args.new_tokens
     runs = [(args.engine_batch[0], f" run {i + 1}" if args.repeat > 1 else "") for i in range(args.repeat)]
     runs += [(size, "") for size in args.engine_batch[1:]]
+    settings = "".join(f", {setting}" for setting in args.set)  # in each row's name
     rows = []
     for i, (size, label) in enumerate(runs):
         rows.append(
             batch.our_job(
-                prompts, model_dir, work / f"ours-{i}", args.new_tokens, size, max_seq_len, args.compile, label=label
+                prompts,
+                model_dir,
+                work / f"ours-{i}",
+                args.new_tokens,
+                size,
+                max_seq_len,
+                args.compile,
+                label=label + settings,
+                overrides=args.set,
             )
         )
         print(f"ours: {rows[-1]}", flush=True)
@@ -80,7 +96,8 @@ def main() -> int:
                 args.max_prompt_tokens + high,
                 args.compile,
                 per_row_max_tokens=True,
-                label=f", max_tokens {low}-{high} per row",
+                label=f", max_tokens {low}-{high} per row{settings}",
+                overrides=args.set,
             )
         )
         print(f"ours: {rows[-1]}", flush=True)

@@ -135,12 +135,14 @@ def our_job(
     compile_step: bool = False,
     per_row_max_tokens: bool = False,
     label: str = "",
+    overrides: list[str] | None = None,
 ) -> dict:
     """The batch job on `prompts`, timed from the call to its summary. `per_row_max_tokens`: the prompts'
-    `max_tokens` column sets each row's budget (`new_tokens` is then only the default)."""
+    `max_tokens` column sets each row's budget (`new_tokens` is then only the default); `overrides`: more
+    of the job's `KEY=VALUE` settings, applied last."""
     from gpt2_platform.batch import load, run_generation
 
-    overrides = [
+    settings = [
         f"input.paths=[{prompts}]",
         f"output.path={output}",
         f"model.path={model_dir}",
@@ -156,8 +158,8 @@ def our_job(
         "output.progress_bars=false",
     ]
     if per_row_max_tokens:
-        overrides.append("input.max_tokens_column=max_tokens")
-    config = load(None, overrides)
+        settings.append("input.max_tokens_column=max_tokens")
+    config = load(None, settings + list(overrides or ()))
     watcher = FirstFile(output)
     started = time.perf_counter()
     summary = run_generation(config)
