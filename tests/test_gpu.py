@@ -208,6 +208,7 @@ def test_packed_prefill_graphs_fill_the_cache_as_the_padded_graphs_do_in_bf16():
     }
     with pytest.raises(ValueError, match="engine.packed_prefill=true needs bf16 or fp16"):
         ModelRunner(model, 8, 64, torch.float32, device, cuda_graphs=True, packed_prefill=True)
+    assert next(model.parameters()).dtype == torch.bfloat16  # the refused engine left the shared model alone
     packed, padded = runners[True], runners[False]
     for runner in runners.values():
         runner.warmup(("greedy",))

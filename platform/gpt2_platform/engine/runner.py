@@ -119,6 +119,22 @@ class ModelRunner:
     ) -> None:
         """`packed_prefill`: run groups of prompts packed (PACKED_PREFILL_MIN_PROMPTS); None: on CUDA in bf16 or
         fp16 on an Ampere or later GPU, where torch has variable-length (flash) attention."""
+        # Variable-length attention is flash attention's: half precision, and GPUs from Ampere (sm80) on.
+        # Checked before the model moves: `to` converts the caller's model in place, and a refused engine
+        # must leave it as it was.
+        packs_on_device = device.type != "cuda" or (
+            dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(device) >= (8, 0)
+            and varlen_attention_available()
+        )
+        if packed_prefill is None:
+            packed_prefill = device.type == "cuda" and packs_on_device
+        elif packed_prefill and not packs_on_device:
+            raise ValueError(
+                "engine.packed_prefill=true needs bf16 or fp16 on an Ampere or later GPU (flash attention's "
+                f"variable-length kernel), with a torch that has it; this engine is {dtype} on "
+                f"{torch.cuda.get_device_name(device)}: set engine.packed_prefill to null or false"
+            )
         self.model = model.to(device=device, dtype=dtype).eval()
         # Ids at or past the limit are never sampled: a model's vocabulary is often padded past its
         # tokenizer's (50304 for 50257), and those ids decode to nothing.
@@ -188,20 +204,6 @@ class ModelRunner:
             torch.zeros(self.staged_prompts.shape, dtype=torch.long, pin_memory=pinned) for _ in range(2)
         ]
         self.host_firsts = [torch.zeros(num_slots, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
-        # Variable-length attention is flash attention's: half precision, and GPUs from Ampere (sm80) on.
-        packs_on_device = device.type != "cuda" or (
-            dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(device) >= (8, 0)
-            and varlen_attention_available()
-        )
-        if packed_prefill is None:
-            packed_prefill = device.type == "cuda" and packs_on_device
-        elif packed_prefill and not packs_on_device:
-            raise ValueError(
-                "engine.packed_prefill=true needs bf16 or fp16 on an Ampere or later GPU (flash attention's "
-                f"variable-length kernel), with a torch that has it; this engine is {dtype} on "
-                f"{torch.cuda.get_device_name(device)}: set engine.packed_prefill to null or false"
-            )
         self.packed_prefill = packed_prefill
         self.packed_prefills = 0  # how many ran packed
         self.packed_prompt_buckets = buckets(num_slots, min(PACKED_PREFILL_MIN_PROMPTS, num_slots))
