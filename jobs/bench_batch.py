@@ -38,7 +38,12 @@ def main() -> int:
     parser.add_argument("--variable", action="store_true", help="add a run with per-row max_tokens")
     parser.add_argument("--variable-range", type=int, nargs=2, default=[1, 512], metavar=("LOW", "HIGH"))
     parser.add_argument("--naive-batch", type=int, default=64)
-    parser.add_argument("--compile", action="store_true", help="torch.compile our engine's decode step")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="engine.compile for our runs (default: the job's own, which compiles the token pick on CUDA)",
+    )
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument(
         "--set",

@@ -125,6 +125,9 @@ class FirstFile:
         return self.seconds
 
 
+COMPILE_LABELS = {None: "", True: ", compiled", False: ", not compiled"}
+
+
 def our_job(
     prompts: Path,
     model_dir: Path,
@@ -132,7 +135,7 @@ def our_job(
     new_tokens: int,
     max_batch_size: int,
     max_seq_len: int,
-    compile_step: bool = False,
+    compile_step: bool | None = None,
     per_row_max_tokens: bool = False,
     label: str = "",
     overrides: list[str] | None = None,
@@ -151,12 +154,13 @@ def our_job(
         "generation.ignore_eos=true",
         f"engine.max_batch_size={max_batch_size}",
         f"engine.max_seq_len={max_seq_len}",
-        f"engine.compile={str(compile_step).lower()}",
         # A block of rows per map_batches call at least as large as the engine's batch, and two of them in
         # flight, so the next block's prompts fill the slots the current one frees.
         f"scaling.batch_size={max(1024, max_batch_size)}",
         "output.progress_bars=false",
     ]
+    if compile_step is not None:  # None: the job's own default (the token pick compiled on CUDA)
+        settings.append(f"engine.compile={str(compile_step).lower()}")
     if per_row_max_tokens:
         settings.append("input.max_tokens_column=max_tokens")
     config = load(None, settings + list(overrides or ()))
@@ -166,7 +170,7 @@ def our_job(
     wall_s = time.perf_counter() - started
     first_row_s = watcher.stop()
     return {
-        "job": f"gpt2-platform generate (engine batch {max_batch_size}{', compiled' if compile_step else ''}{label})",
+        "job": f"gpt2-platform generate (engine batch {max_batch_size}{COMPILE_LABELS[compile_step]}{label})",
         "rows": summary["rows"],
         "wall_s": wall_s,
         "first_row_s": first_row_s,
