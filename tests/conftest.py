@@ -81,9 +81,11 @@ def tiny_config(corpus: Path, storage: Path, *overrides: str) -> config_lib.Conf
     return config_lib.load(None, [*base, *overrides])
 
 
-def prometheus_lines(metric: str, tag: str = "", timeout_s: float = 40.0) -> list[str]:
+def prometheus_lines(metric: str, tag: str = "", timeout_s: float = 40.0, at_least: float | None = None) -> list[str]:
     """Sample lines of `metric` whose labels include `tag` (e.g. 'run="x"') on this node's Ray
-    metrics endpoint, waiting for them (export takes ~10 s); [] if none come."""
+    metrics endpoint, waiting for them (export takes ~10 s); [] if none come. `at_least`: wait until the
+    first line's value is that much (a counter's increments reach the endpoint over several exports), and
+    return what is there at the deadline."""
     import time
     import urllib.request
 
@@ -91,10 +93,11 @@ def prometheus_lines(metric: str, tag: str = "", timeout_s: float = 40.0) -> lis
 
     port = ray._private.worker.global_worker.node.metrics_export_port
     deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
     while time.monotonic() < deadline:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         lines = [line for line in text.splitlines() if line.startswith(metric + "{") and tag in line]
-        if lines:
+        if lines and (at_least is None or float(lines[0].rsplit(" ", 1)[1]) >= at_least):
             return lines
         time.sleep(1)
-    return []
+    return lines

@@ -587,7 +587,7 @@ def test_slow_bodies_get_408_while_good_requests_and_health_answer_promptly(clie
     # They count as 408s, not as server errors (a timed-out body used to be recorded as a 500).
     from conftest import prometheus_lines
 
-    lines = prometheus_lines("ray_gpt2_serve_requests_total", 'status="408"')
+    lines = prometheus_lines("ray_gpt2_serve_requests_total", 'status="408"', at_least=len(slow))
     assert lines and float(lines[0].rsplit(" ", 1)[1]) >= len(slow), lines
     assert not [
         line for line in prometheus_lines("ray_gpt2_serve_requests_total", timeout_s=1) if 'status="500"' in line
