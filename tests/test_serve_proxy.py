@@ -114,7 +114,14 @@ def test_a_killed_ingress_replica_ends_its_streams_with_an_error_event_while_the
 
     async def cut() -> tuple[list[list], httpx.Response]:
         async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=60) as session:
-            ingress_pid = (await session.get("/v1/engine/stats")).json()["ingress"]["pid"]
+            # Both ingress replicas answering first: a replica the proxy has not yet heard of takes no stream,
+            # and the one killed would then have had them all (seen on a loaded machine).
+            pids: set[int] = set()
+            deadline = time.monotonic() + 60
+            while len(pids) < 2 and time.monotonic() < deadline:
+                pids.add((await session.get("/v1/engine/stats")).json()["ingress"]["pid"])
+            assert len(pids) == 2, f"only ingress replica(s) {pids} answered in 60 s"
+            ingress_pid = pids.pop()
             started = asyncio.Event()
 
             async def stream() -> list:
