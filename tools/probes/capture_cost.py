@@ -2,9 +2,9 @@
 
     python tools/probes/capture_cost.py [--slots 1024] [--no-compile] [--top 25]
 
-A batch job's engine logs its graphs captured on first use: 0.5-0.9 s each for packed prefills in a 100,000-
-prompt job's first 15 s, while the prefill itself runs in milliseconds; a Serve replica's warm-up spends
-about 0.28 s on each decode graph with warm caches. This builds the engine's runner as a batch job does
+A batch job's engine logs the graphs it captures on first use, and they take far longer than the prefills
+they record (docs/benchmarks.md, batch generation); a Serve replica's decode warm-up is slow per graph too,
+with warm caches. This builds the engine's runner as a batch job does
 (GPT-2 124M, bf16, our decode kernels, the token pick compiled unless --no-compile), then profiles the
 greedy warm-up's decode captures and times each packed prefill group's first use, profiling the first:
 the top functions by cumulative time say where the capture's seconds go (dynamo, inductor, the allocator,
