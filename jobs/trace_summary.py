@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
-from gpt2_platform.train import traces  # noqa: E402
+from gpt2_platform import traces  # noqa: E402
 
 
 def main() -> int:

@@ -14,9 +14,6 @@ against the wall time; `--trace-out` also writes a timeline of 0.3 s of the pack
 from __future__ import annotations
 
 import argparse
-import collections
-import itertools
-import json
 import random
 import sys
 import threading
@@ -28,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "platform"))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from gpt2_platform import traces  # noqa: E402
 from gpt2_platform.bench.generation import random_prompts  # noqa: E402
 from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
 from gpt2_platform.engine.runner import PROMPT_HEADER, ModelRunner  # noqa: E402
@@ -125,53 +123,15 @@ def trace_window(engine: Engine, batch: list[list[int]], params: GenerationParam
     worker = threading.Thread(target=engine.generate, args=(batch, params))
     worker.start()
     time.sleep(1.0)  # past the first wave's prefills, and well before the job's end (a few seconds)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        time.sleep(0.3)
+    traces.record_window(path, 0.3)
     worker.join()
-    prof.export_chrome_trace(str(path))
     print(f"\ntrace of 0.3 s of the packed job-like run: {path}")
     print_gaps(path)
 
 
 def print_gaps(path: Path) -> None:
-    """Where the device idled in a trace, and whether the host was late: each gap between kernels, by size,
-    with how many of them the host's launch (of the kernel after the gap) came after the gap had begun."""
-    events = json.loads(path.read_text())["traceEvents"]
-    kernels = sorted(
-        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"]
-    )
-    launches = {
-        e["args"]["correlation"]: e
-        for e in events
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
-    }
-    if len(kernels) < 2:
-        print("no kernels in the trace window")
-        return
-    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
-    busy = sum(k["dur"] for k in kernels)
-    sizes = [(0, 5), (5, 50), (50, 500), (500, float("inf"))]
-    counts = {size: [0, 0.0, 0] for size in sizes}  # gaps, their microseconds, the host's launch late
-    runtime = collections.Counter()
-    for before, after in itertools.pairwise(kernels):
-        start = before["ts"] + before["dur"]
-        gap = after["ts"] - start
-        if gap <= 0:
-            continue
-        size = next(s for s in sizes if s[0] <= gap < s[1])
-        counts[size][0] += 1
-        counts[size][1] += gap
-        launch = launches.get(after.get("args", {}).get("correlation"))
-        if launch is not None and launch["ts"] > start:
-            counts[size][2] += 1
-            if gap >= 50:
-                runtime[launch["name"]] += 1
-    print(f"device busy {busy / span:.0%} of {span / 1e3:.1f} ms between the window's first and last kernels")
-    print("| gap between kernels us | gaps | idle ms | of the window | host launched after the gap began |")
-    print("|---|---:|---:|---:|---:|")
-    for (low, high), (n, total, late) in counts.items():
-        print(f"| {low}-{high} | {n} | {total / 1e3:.2f} | {total / span:.1%} | {late} |")
-    print(f"calls that launched the work after a gap of 50 us or more, late: {dict(runtime.most_common(6))}")
+    idle = traces.device_idle(traces.load(path))
+    print("\n".join(traces.format_device_idle(idle)) if idle else "no kernels in the trace window")
 
 
 def main() -> int:

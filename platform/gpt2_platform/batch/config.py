@@ -158,6 +158,26 @@ class ScalingConfig:
 
 
 @dataclass
+class ProfileConfig:
+    trace_dir: str | None = None
+    """Where each engine actor writes a Chrome trace (CPU and CUDA activity, torch.profiler) of a window of its
+    work: `engine-<host>-<pid>.pt.trace.json`, which `python jobs/trace_summary.py <dir>` summarises (the device's
+    busy share, its gaps, the kernels by time) and Perfetto opens. null: no trace."""
+    after_s: float = 20.0
+    """Seconds after the engine is ready that the window starts: past the first prefills and graph captures,
+    into the steady state a long job spends most of its time in."""
+    seconds: float = 0.5
+    """The window's length. A trace holds every kernel and launch: at about 100 kernels a decode step, a second
+    is a file of tens of MB."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.after_s) and self.after_s >= 0):
+            raise ConfigError(f"profile.after_s must be >= 0, got {self.after_s}")
+        if not (math.isfinite(self.seconds) and 0 < self.seconds <= 10):
+            raise ConfigError(f"profile.seconds must be in (0, 10], got {self.seconds} (a trace grows with it)")
+
+
+@dataclass
 class GenerateConfig:
     task: Task = "generate"
     """'generate': a completion per row; 'score': the log-likelihood, scored tokens and perplexity of each row's
@@ -172,6 +192,8 @@ class GenerateConfig:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     moderation: ModerationConfig = field(default_factory=ModerationConfig)
     """Content checks of prompts and completions (gpt2_platform.moderation); blocked rows get an error."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """A profiler trace of each engine actor's steady state (off unless profile.trace_dir is set)."""
 
     def __post_init__(self) -> None:
         if self.task == "generate" and self.input.continuation_column:

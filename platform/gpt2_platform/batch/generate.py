@@ -226,6 +226,7 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
                 staging_dir=str(directory / output_lib.STAGING_NAME / run_id),
                 moderator=moderator,
                 task=config.task,
+                profile=config.profile,
             )
             logger.info(
                 "%s %d rows with %d actor(s) into %s",

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from gpt2_platform.batch.config import GenerationConfig, InputConfig
+from gpt2_platform.batch.config import GenerationConfig, InputConfig, ProfileConfig
 from gpt2_platform.batch.fingerprint import identity_sha256, model_identity
 from gpt2_platform.batch.output import write_staged
 from gpt2_platform.batch.rows import (
@@ -55,6 +57,7 @@ class WorkerSpec:
     staging_dir: str  # where this run's actors write their files (output._staging/<run>)
     moderator: Moderator | None = None  # built on the driver from config.moderation; None: moderation off
     task: str = "generate"  # GenerateConfig.task
+    profile: ProfileConfig | None = None  # GenerateConfig.profile: a trace of the engine's steady state
 
 
 def _column(batch: pa.Table, name: str | None) -> list:
@@ -142,6 +145,8 @@ class EngineWorker:
             )
         self._stop_reporting = threading.Event()
         threading.Thread(target=self._report, name="engine-progress", daemon=True).start()
+        if spec.profile is not None and spec.profile.trace_dir:
+            threading.Thread(target=self._trace, args=(spec.profile,), name="engine-trace", daemon=True).start()
         logger.info(
             "engine ready on %s in %.1f s (model %.1f s, engine %.1f s, warm-up %.1f s)",
             device,
@@ -194,6 +199,29 @@ class EngineWorker:
                     ),
                 )
             before, then = stats, now
+
+    def _trace(self, profile: ProfileConfig) -> None:
+        """`profile.seconds` of this process (the engine's thread, Ray Data's, the device) as a Chrome trace in
+        `profile.trace_dir`, from `profile.after_s` after the engine was ready; the log line says where, and how
+        busy the device was."""
+        from gpt2_platform import traces
+
+        if self._stop_reporting.wait(profile.after_s):
+            return  # the job ended first
+        path = Path(profile.trace_dir) / f"engine-{socket.gethostname()}-{os.getpid()}.pt.trace.json"
+        try:
+            traces.record_window(path, profile.seconds)
+            idle = traces.device_idle(traces.load(path))
+        except Exception:  # a trace is there to look at: the job goes on without it
+            logger.warning("the engine's trace was not written to %s", path, exc_info=True)
+            return
+        logger.info(
+            "wrote %.1f s of the engine's work as a trace to %s (python jobs/trace_summary.py %s)%s",
+            profile.seconds,
+            path,
+            path.parent,
+            f"; the device was busy {idle.busy_ms / idle.span_ms:.0%} of it" if idle else "",
+        )
 
     def __del__(self) -> None:
         stop = getattr(self, "_stop_reporting", None)

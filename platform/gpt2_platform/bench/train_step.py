@@ -18,12 +18,12 @@ from torch import nn
 
 from gpt2_platform.bench.plain_gpt2 import PlainStep
 from gpt2_platform.model import GPT2, flops_per_token, preset
+from gpt2_platform.traces import STEP_PREFIX
 from gpt2_platform.train.config import OptimConfig
 from gpt2_platform.train.loss import LMLoss
 from gpt2_platform.train.parallelize import parallelize
 from gpt2_platform.train.step import TrainStep, build_optimizer, lr_at, resolve_precision
 from gpt2_platform.train.throughput import mfu, peak_tflops
-from gpt2_platform.train.traces import STEP_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
+from gpt2_platform import traces
 from gpt2_platform.model import GPT2, flops_per_token
-from gpt2_platform.train import traces
 from gpt2_platform.train.config import Config, from_dict
 from gpt2_platform.train.loading import build_model
 from gpt2_platform.train.loss import LMLoss
@@ -145,7 +145,7 @@ def _inject_failure(run_dir: Path, step: int) -> None:
 
 
 class Profiler:
-    """torch.profiler over a window of optimizer steps, written as Chrome trace files (train/traces.py).
+    """torch.profiler over a window of optimizer steps, written as Chrome trace files (gpt2_platform/traces.py).
 
     Each step is a range of its own in the trace (`traces.STEP_PREFIX` and its number), so a summary and
     a timeline viewer show where one ends and the next begins.
