@@ -6,7 +6,8 @@ For GPT-2 124M's shapes in bf16: at batch 1, each linear of a layer (with its la
 GELU or residual) as our `ln_linear` under a few tile configurations, against the torch ops the
 eager step runs for it; at batch 1, 64 and 256, the decode attention (position 200) against the
 cache write and masked SDPA over the 256-position span, under several block sizes and warp counts,
-with the GB/s each reads (`--attention-only --batch-sizes 256 1024` for the large batches). Each figure is microseconds per call, 20 calls captured in one CUDA graph and
+with the GB/s each reads (`--attention-only --batch-sizes 256 1024` for the large batches), the cache loop
+plain or software-pipelined 2 or 3 deep. Each figure is microseconds per call, 20 calls captured in one CUDA graph and
 replayed 50 times. Also the largest difference from the torch result, to catch a config that is
 fast and wrong.
 """
@@ -117,12 +118,16 @@ def attention(batch: int, dtype: torch.dtype, device: torch.device, position: in
     row = {"torch (write + masked SDPA)": timed(torch_op)}
     for block_t in (32, 64, 128, 256):
         for num_warps in (2, 4, 8):
+            for stages in (0, 2, 3):
 
-            def ours(block_t=block_t, num_warps=num_warps):
-                return kernels.decode_attention(qkv, kv, positions, block_t=block_t, num_warps=num_warps)
+                def ours(block_t=block_t, num_warps=num_warps, stages=stages):
+                    return kernels.decode_attention(
+                        qkv, kv, positions, block_t=block_t, num_warps=num_warps, num_stages=stages
+                    )
 
-            error = (ours().float() - reference).abs().max().item()
-            row[f"ours BLOCK_T={block_t} warps={num_warps}"] = timed(ours) | {"max error": round(error, 4)}
+                error = (ours().float() - reference).abs().max().item()
+                label = f"ours BLOCK_T={block_t} warps={num_warps}" + (f" stages={stages}" if stages else "")
+                row[label] = timed(ours) | {"max error": round(error, 4)}
     print(batch, f"attention at position {position}", json.dumps(row), flush=True)
     return row
 

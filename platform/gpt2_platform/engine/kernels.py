@@ -163,6 +163,7 @@ if triton is not None:
         D: tl.constexpr,
         BLOCK_T: tl.constexpr,
         PDL: tl.constexpr,
+        STAGES: tl.constexpr = 0,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -184,24 +185,32 @@ if triton is not None:
         m = tl.sum(q * k_new.to(tl.float32), axis=0)  # running max of the scores, starting with our own
         total = 1.0  # running sum of exp(score - m)
         acc = v_new.to(tl.float32)
-        # Positions before ours, from the cache: online softmax over blocks of BLOCK_T positions. A while
-        # loop, as Triton's interpreter takes no loaded value as a `range` bound.
-        t0 = 0
-        while t0 < pos:
-            t = t0 + tl.arange(0, BLOCK_T)
-            t_ok = t < pos
-            offsets = t.to(tl.int64)[:, None] * D + d[None, :]
-            k = tl.load(keys + offsets, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            scores = tl.where(t_ok, tl.sum(k * q[None, :], axis=1), float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=0))
-            p = tl.exp(scores - m_new)
-            alpha = tl.exp(m - m_new)
-            v = tl.load(values + offsets, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            total = total * alpha + tl.sum(p, axis=0)
-            m = m_new
-            t0 += BLOCK_T
+        # Positions before ours, from the cache: online softmax over blocks of BLOCK_T positions. With STAGES,
+        # a `tl.range` loop that Triton software-pipelines (the next block's loads issued before this block's
+        # arithmetic); without, a while loop, as Triton's interpreter takes no loaded value as a `range` bound.
+        if STAGES > 0:
+            for t0 in tl.range(0, pos, BLOCK_T, num_stages=STAGES):
+                m, total, acc = _attend_block(keys, values, q, d, t0, pos, m, total, acc, D, BLOCK_T)
+        else:
+            t0 = 0
+            while t0 < pos:
+                m, total, acc = _attend_block(keys, values, q, d, t0, pos, m, total, acc, D, BLOCK_T)
+                t0 += BLOCK_T
         tl.store(out_ptr + b.to(tl.int64) * C + h * D + d, (acc / total).to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _attend_block(keys, values, q, d, t0, pos, m, total, acc, D: tl.constexpr, BLOCK_T: tl.constexpr):
+        """One block of positions [t0, t0 + BLOCK_T) below `pos` folded into the running (max, sum, values)."""
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = t < pos
+        offsets = t.to(tl.int64)[:, None] * D + d[None, :]
+        k = tl.load(keys + offsets, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        scores = tl.where(t_ok, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        p = tl.exp(scores - m_new)
+        alpha = tl.exp(m - m_new)
+        v = tl.load(values + offsets, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        return m_new, total * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p[:, None] * v, axis=0)
 
     @triton.jit
     def _cache_write_kernel(
@@ -431,11 +440,14 @@ def decode_attention(
     block_t: int | None = None,
     pdl: bool = False,
     num_warps: int | None = None,
+    num_stages: int = 0,
 ) -> torch.Tensor:
     """Attention of one new token per row: `qkv` `(B, 3C)`; `kv` the layer's cache `(slots, 2, H, T, D)`.
 
     Row i is cache slot i. Writes the rows' keys and values at `positions` `(B,)`, then attends over
     positions 0..positions[i] of slot i, with `scale` on the scores (default 1/sqrt(D)). Returns `(B, C)`.
+    `num_stages` above 0: the loop over cache blocks software-pipelined that deep (CUDA only; the
+    interpreter runs the plain loop whatever it is).
     """
     batch = qkv.shape[0]
     _, two, heads, _, head_dim = kv.shape
@@ -463,6 +475,7 @@ def decode_attention(
         D=head_dim,
         BLOCK_T=block_t,
         PDL=pdl,
+        STAGES=0 if os.environ.get("TRITON_INTERPRET") else num_stages,
         num_warps=num_warps,
         **_launch(pdl),
     )
