@@ -236,6 +236,34 @@ def test_packed_prefill_graphs_fill_the_cache_as_the_padded_graphs_do_in_bf16():
         assert torch.equal(before, after[63])
 
 
+def test_a_packed_prefill_in_an_engine_that_compiles_nothing_does_not_import_dynamo():
+    # Importing torch._dynamo takes seconds; `varlen_attn`'s wrapper did it on the first packed prefill, which
+    # a batch job ran mid-job. A fresh process: this one may have imported dynamo for other tests.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import sys
+import torch
+from gpt2_platform.engine.runner import PACKED_PREFILL_MIN_PROMPTS, ModelRunner
+from gpt2_platform.model import GPT2, preset
+runner = ModelRunner(GPT2(preset("tiny")), 64, 128, torch.bfloat16, torch.device("cuda"), cuda_graphs=True,
+                     packed_prefill=True)
+runner.warmup(("greedy",))
+count = PACKED_PREFILL_MIN_PROMPTS + 4
+runner.prefill([[1 + i % 200] * (10 + i) for i in range(count)], list(range(count)))
+assert runner.packed_prefills == 1
+print("dynamo imported:", "torch._dynamo" in sys.modules)
+"""
+    platform = Path(__file__).resolve().parents[1] / "platform"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(platform), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "dynamo imported: False" in done.stdout
+
+
 def test_engine_bf16_sampling_is_reproducible_per_seed_on_gpu():
     from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams
     from gpt2_platform.engine.sampling import SamplingParams

@@ -87,8 +87,9 @@ def _varlen_attn():
 
 
 def varlen_attention_available() -> bool:
-    """Whether this torch has variable-length attention (flash attention over packed sequences, CUDA)."""
-    return _varlen_attn() is not None
+    """Whether this torch has variable-length attention (flash attention over packed sequences, CUDA): from
+    torch 2.10, where `varlen_attn` made the flash op's packed form public (and where it was tested here)."""
+    return _varlen_attn() is not None and hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
 class PackedPrefillView:
@@ -126,9 +127,15 @@ class PackedPrefillView:
         else:
             self.cache.kv[layer][self.slots, :, :, self.positions] = torch.stack((k, v), dim=1)  # (N, 2, nh, hs)
         if self.on_cuda:
-            out = _varlen_attn()(
-                q, k, v, self.starts, self.starts, self.longest, self.longest, scale=scale, window_size=(-1, 0)
-            )
+            # The flash kernel that `varlen_attn` runs, called as the aten op: the public function reaches it
+            # through a custom op whose kernel is wrapped to disable dynamo, and that wrapper's first call
+            # imports torch._dynamo, seconds that a batch job's first packed prefill waited for, mid-run, in
+            # an engine that compiles nothing (py-spy of the job's actor; docs/benchmarks.md, session 17).
+            # Flash, as `varlen_attn` chose here, not cuDNN (see ModelRunner._prefill_attention). Causal within
+            # each prompt, as window (-1, 0) is.
+            out = torch.ops.aten._flash_attention_forward(
+                q, k, v, self.starts, self.starts, self.longest, self.longest, 0.0, True, False, scale=scale
+            )[0]
         else:
             out = torch.zeros_like(q)
             for a, b in itertools.pairwise(self.bounds):

@@ -440,7 +440,7 @@ def decode_attention(
     block_t: int | None = None,
     pdl: bool = False,
     num_warps: int | None = None,
-    num_stages: int = 0,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per row: `qkv` `(B, 3C)`; `kv` the layer's cache `(slots, 2, H, T, D)`.
 
@@ -460,6 +460,10 @@ def decode_attention(
         block_t = 256 if batch <= 8 else 128 if batch < 256 else 64
     if num_warps is None:
         num_warps = 2 if batch >= 256 else 4
+    if num_stages is None:
+        # From 256 rows, software-pipelining the cache loop 2 deep read it 2-3% faster (the probe's sweep at
+        # 256 and 1,024 rows; docs/benchmarks.md, session 17); below, not measured: the plain loop.
+        num_stages = 2 if batch >= 256 else 0
     assert two == 2 and kv.is_contiguous() and qkv.is_contiguous() and qkv.shape[1] == 3 * heads * head_dim
     out = torch.empty(batch, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     _decode_attention_kernel[(batch, heads)](
