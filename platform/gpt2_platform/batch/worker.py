@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from gpt2_platform import gc_pauses
 from gpt2_platform.batch.config import GenerationConfig, InputConfig, ProfileConfig
 from gpt2_platform.batch.fingerprint import identity_sha256, model_identity
 from gpt2_platform.batch.output import write_staged
@@ -133,6 +134,11 @@ class EngineWorker:
         # actor's warm-up, which a small job waits for in full.
         self.engine.start(modes=sampling_modes(spec.generation, spec.input, spec.task), warm_prefills=False)
         self.max_seq_len = self.engine.max_seq_len
+        # As the Serve replica and the engine's process do: what is loaded by now lives as long as the actor, so
+        # full collections need not walk it; and the progress line says what the collector's pauses cost, as
+        # they stop the engine's thread with every other.
+        gc_pauses.settle()
+        self.gc_pauses = gc_pauses.GcPauses()
         # Start-up is most of a small job's wall time: say where it went, from the process's creation on. Ray
         # starts workers ahead, so the process's age may include time it waited idle before this actor came
         # to it; the driver's "Starting execution" line says when Ray Data asked for the actor.
@@ -160,9 +166,9 @@ class EngineWorker:
         """A log line every `every_s` while the engine works: what a long job is doing, and, if it is
         slower than the engine can go, whether the engine was starved (idle, rows per step well under
         engine.max_batch_size) or busy."""
-        before, then = self.engine.stats(), time.perf_counter()
+        before, then = self.engine.stats() | self.gc_pauses.stats(), time.perf_counter()
         while not self._stop_reporting.wait(every_s):
-            now, stats = time.perf_counter(), self.engine.stats()
+            now, stats = time.perf_counter(), self.engine.stats() | self.gc_pauses.stats()
             steps, tokens = stats["steps"] - before["steps"], stats["generated_tokens"] - before["generated_tokens"]
             if self.spec.task == "score" and (stats["prefills"] > before["prefills"] or stats["waiting"]):
                 # Scoring runs prefills only: their tokens are the work.
@@ -180,9 +186,12 @@ class EngineWorker:
             elif steps or stats["waiting"]:
                 elapsed = now - then
                 captures = stats["captures_on_use"] - before["captures_on_use"]
+                collections = [a - b for a, b in zip(stats["gc_count"], before["gc_count"], strict=True)]
+                paused = [a - b for a, b in zip(stats["gc_s"], before["gc_s"], strict=True)]
                 logger.info(
                     "engine: %.0f tokens/s, %.0f steps/s at %.0f rows a step (of %d slots), %d rows finished, "
-                    "%d waiting, idle %.0f%% of the last %.0f s%s",
+                    "%d waiting, idle %.0f%% of the last %.0f s%s; Python's collector paused %.2f s "
+                    "(collections by generation %s, %.2f s in generation 2)",
                     tokens / elapsed,
                     steps / elapsed,
                     tokens / max(steps, 1),
@@ -197,6 +206,9 @@ class EngineWorker:
                         if captures
                         else ""
                     ),
+                    sum(paused),
+                    collections,
+                    paused[2],
                 )
             before, then = stats, now
 
@@ -230,6 +242,9 @@ class EngineWorker:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        pauses = getattr(self, "gc_pauses", None)
+        if pauses is not None:
+            pauses.close()
 
 
 class GenerateBatch(EngineWorker):
