@@ -356,7 +356,7 @@ KERNEL_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
-@pytest.mark.parametrize("batch", [1, 4, 8, 64], ids=["gemv-1", "gemv-4", "cublas-8", "cublas-64"])
+@pytest.mark.parametrize("batch", [1, 4, 8, 64, 256], ids=["gemv-1", "gemv-4", "cublas-8", "cublas-64", "cublas-256"])
 def test_the_triton_decode_kernels_match_the_models_modules_in_bf16_on_gpu(batch, variant):
     from helpers_unit import kernel_step_and_model_step
 

@@ -51,7 +51,7 @@ class ByteTable:
         return table
 
     def decode(self, ids: list[int]) -> str:
-        return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+        return b"".join(map(self.token_bytes.__getitem__, ids)).decode("utf-8", errors="replace")
 
 
 class IncrementalDetokenizer:

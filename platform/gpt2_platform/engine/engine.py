@@ -313,9 +313,14 @@ class Engine:
             while not done.acquire(timeout=1.0):
                 self.check_health()
         completions = [self._completion(results[i]) for i in ids]
+        # Quiet sequences: the text is ours to decode, on this thread. Through the byte table where there is one
+        # (it decodes as the tokenizer does, checked when built): a batch job decodes a whole block's
+        # completions here at once, and the tokenizer's per-call conversions held the GIL, which the engine's
+        # thread needs every step, for most of that time (py-spy --gil of the job's actor, docs/benchmarks.md).
+        decode = self.tokenizer.decode if self.byte_table is None else self.byte_table.decode
         for completion, p in zip(completions, params, strict=True):
-            if not p.stop and completion.error is None:  # quiet: the text is ours to decode, on this thread
-                completion.text = self.tokenizer.decode(completion.token_ids)
+            if not p.stop and completion.error is None:
+                completion.text = decode(completion.token_ids)
         return completions
 
     @staticmethod
