@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpt2_platform.ops.local_cluster import free_ports, reap_marked, signal_group
+from gpt2_platform.ray_auth import ensure_private_token
 
 VENV_BIN = Path(sys.executable).parent
 RAY_CLI = str(VENV_BIN / "ray")
@@ -110,7 +111,7 @@ class RayHead:
             # Until it blocks, `ray start` is still in calls that delay its SIGTERM handler (stop takes 15 s+).
             if status == 200 and BLOCKING_MESSAGE in self.output():
                 return
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise TimeoutError(f"the head's dashboard did not answer within {timeout_s:.0f} s ({last}):\n{self.output()}")
 
     def stop(self, grace_s: float = 15) -> dict[int, str]:
@@ -153,8 +154,10 @@ def start_head(
     env = {**_environment(root), **(extra_env or {})}
     # Skip the drain on SIGTERM: it waits for a GCS that the same group signal is stopping (30 s).
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
-    # With RAY_AUTH_MODE=token, `ray start --head` refuses to start without a token; it makes none.
-    subprocess.run([RAY_CLI, "get-auth-token", "--generate"], env=env, capture_output=True, check=True, timeout=60)
+    # With RAY_AUTH_MODE=token, `ray start --head` refuses to start without a token; it makes none. Made here
+    # as `ray get-auth-token --generate` makes one (256 random bits, hex, in $HOME/.ray/auth_token), without
+    # the seconds a `ray` CLI process takes to start.
+    ensure_private_token(env)
     gcs, dashboard, client_server, node_manager, object_manager, metrics, agent_http, agent_grpc, runtime_env_agent = (
         free_ports(NUM_PORTS)
     )

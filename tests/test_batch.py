@@ -232,7 +232,10 @@ def test_killed_run_resumes_with_exactly_one_row_per_id(reference, prompts: Path
     finally:
         os.killpg(process.pid, signal.SIGKILL)  # the driver and anything it started, as a kill -9 would
         process.wait()
-    time.sleep(2)  # let Ray notice the dead driver and stop its actors
+    # Let Ray notice the dead driver and stop its actors: until then they hold the cluster's CPUs.
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.1)
     (run_dir,) = staging.iterdir()
     staged = sorted(run_dir.glob("*.parquet"))
     assert not part_files(output), "nothing is committed before a run ends"
@@ -285,14 +288,24 @@ def test_a_submitted_job_waits_for_cpus_being_freed_and_puts_a_relative_output_u
     holder = Holder.remote()
     ray.get(holder.ready.remote())
     caplog.set_level(logging.INFO, logger="gpt2_platform.batch")
+
+    # The holder goes once the second job has said it waits (not after a fixed time, which had to be long
+    # enough for the job to get there on a loaded machine).
+    def release_when_waiting(record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("waiting up to 60 s"):
+            threading.Thread(target=ray.kill, args=(holder,)).start()
+
+    release = logging.Handler(logging.INFO)
+    release.emit = release_when_waiting
     try:
         config = [f"input.paths=[{prompts}]", f"output.path={relative}", f"model.path={model_dir}"]
         config += ["output.progress_bars=false", "generation.max_tokens=2", "scaling.num_actors=1"]
         with pytest.raises(ValueError, match=r"does not have the resources this job needs free: 2 CPU \(free: 0\)"):
             run_generation(load(None, [*config, "scaling.wait_for_resources_s=1"]))
-        threading.Timer(3.0, ray.kill, args=(holder,)).start()
+        logging.getLogger("gpt2_platform.batch").addHandler(release)
         summary = run_generation(load(None, config))
     finally:
+        logging.getLogger("gpt2_platform.batch").removeHandler(release)
         logging.getLogger("ray.data").removeHandler(handler)
         ray.kill(holder)
     expected = Path.home() / "gpt2-platform" / relative

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO_ROOT, tiny_config
+from conftest import REPO_ROOT
 from gpt2_platform import demo_data
 from gpt2_platform.checkpoint import load_pretrained
 from gpt2_platform.train.data import TokenizeAndPack
 from gpt2_platform.train.loop import evaluate, validation_batches
-from gpt2_platform.train.trainer import fit
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +43,12 @@ def run_evaluate(tmp_path: Path, *args: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(ray_cluster, corpus: Path, tmp_path_factory: pytest.TempPathFactory):
-    """A few steps of the real training job; its last report evaluates the exported weights."""
-    storage = tmp_path_factory.mktemp("evaluate-runs")
-    overrides = ["train.max_steps=4", "train.log_every=4", "train.eval_every=4", "train.checkpoint_every=4"]
-    return fit(tiny_config(corpus, storage, *overrides, "train.eval_batches=3", "data.val_fraction=0.02"))
+def trained(tiny_run):
+    """A few steps of the real training job; its last report evaluates the exported weights (conftest.py: the
+    session's 8-step run, eval_batches=3, val_fraction=0.02, evaluated at steps 4 and 8, which
+    tests/test_train_resume.py resumes from copies)."""
+    assert tiny_run.metrics["step"] == 8 and "val_loss" in tiny_run.metrics
+    return tiny_run
 
 
 def test_perplexity_on_a_runs_validation_blocks_is_the_training_jobs_validation_perplexity(trained, tmp_path: Path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from gpt2_platform.checkpoint import WEIGHTS_NAME
 from gpt2_platform.train.resume import TRAIN_STATE
 from gpt2_platform.train.trainer import FINAL_MODEL_DIR
-from ray_head import RayHead, start_head
+from ray_head import RayHead
 
 pytestmark = pytest.mark.slow
 
@@ -21,14 +20,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_UPLOAD_BYTES = 5 * 2**20
 
 
-@pytest.fixture
-def ray_head() -> Iterator[RayHead]:
-    # Ray Train's controller polls every 2 s by default, and each report waits for a poll (conftest.py).
-    fast_polls = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
-    head = start_head(num_cpus=2, object_store_bytes=200_000_000, extra_env=fast_polls)
-    yield head
-    survivors = head.stop()
-    assert not survivors, f"processes of the test's Ray head outlived it and were killed: {survivors}"
+# ray_head (conftest.py): a `ray start --head` of 2 CPUs with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.2 in its
+# environment (Ray Train's controller polls every 2 s by default, and each report waits for a poll), shared with
+# tests/test_serve_proxy.py, which runs right after this module; it is stopped after that one, failing its last
+# test if any of the head's processes outlived it.
 
 
 def tail(text: str, num_lines: int = 60) -> str:

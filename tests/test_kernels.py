@@ -107,7 +107,9 @@ def test_the_kernels_decode_step_is_the_models_step(model, batch):
 def test_an_engine_on_the_kernels_generates_what_it_does_on_the_models_modules(model):
     tokenizer = byte_tokenizer()
     prompts = [tokenizer(p)["input_ids"] for p in ("alice has", "the quick brown fox jumps")]
-    params = GenerationParams(max_tokens=6, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+    # Three tokens: the prefill's, then two decode steps on the kernels, the second reading the cache entry the
+    # first wrote. Each decode step takes seconds in Triton's interpreter.
+    params = GenerationParams(max_tokens=3, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
     outputs = {}
     for name in ("torch", "triton"):
         config = EngineConfig(max_batch_size=2, max_seq_len=64, dtype="fp32", decode_kernels=name)

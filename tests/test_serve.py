@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import random
 import re
 import socket
 import subprocess
@@ -24,12 +23,9 @@ import pytest
 import torch
 import yaml
 
-from gpt2_platform import checkpoint, demo_data
-from gpt2_platform.model import GPT2, preset
+from gpt2_platform import demo_data
 from gpt2_platform.monitoring import exporter
 from gpt2_platform.tokenizer import byte_tokenizer
-from gpt2_platform.train.config import OptimConfig
-from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "test-key-7a1c"
@@ -51,33 +47,10 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 # ---- fixtures -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny GPT-2 trained for a few seconds on the demo stories (so it writes ASCII), with its tokenizer."""
-    torch.manual_seed(0)
-    model = GPT2(preset("tiny"))
-    device = torch.device("cpu")
-    optimizer = build_optimizer(model, OptimConfig(lr=5e-3), device)
-    step = TrainStep(model, optimizer, resolve_precision("fp32", device), device, 1.0)
-    text = " ".join(demo_data.stories(400)).encode()
-    tokens = torch.tensor(list(text[: 64 * 65 * 4]), dtype=torch.long).view(-1, 65)
-    for i in range(60):
-        batch = tokens[(i * 16) % len(tokens) :][:16]
-        step([(batch[:, :-1], batch[:, 1:])], lr=5e-3)
-    directory = tmp_path_factory.mktemp("serve") / "model"
-    return checkpoint.save_pretrained(model.eval(), directory, extra=lambda d: byte_tokenizer().save_pretrained(d))
-
-
-def _free_port() -> int:
-    # Below the OS's ephemeral range, where the ports Ray's own processes get are taken from.
-    for _ in range(100):
-        port = random.randint(20000, 30000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port")
+def model_dir(ascii_model_dir: Path) -> Path:
+    """A tiny GPT-2 trained for a few seconds on the demo stories (so it writes ASCII), with its tokenizer
+    (conftest.py: one for the session's Serve and engine-process tests)."""
+    return ascii_model_dir
 
 
 # Serve drains a stopping replica in loops of 2 s by default, at least one even when nothing is in flight:
@@ -105,21 +78,22 @@ def _deploy_main(model_dir: Path, **options) -> None:
 
     # The key reaches the replica through its environment, as a deployment's runtime_env would set it.
     options.setdefault("ray_actor_options", {"num_cpus": 0.5, "runtime_env": {"env_vars": {API_KEY_ENV: API_KEY}}})
+    # Serve checks a replica's health every 10 s by default: the kill test's replica was replaced only after
+    # the next check found it gone.
+    options.setdefault("health_check_period_s", 1)
     app = gpt2_deployment(_main_args(model_dir), engine_options=ENGINE_OPTIONS, **FAST_DRAIN, **options)
     serve.run(app, name=APP, route_prefix="/")
 
 
 @pytest.fixture(scope="module")
-def base_url(ray_cluster, model_dir: Path) -> Iterator[str]:
+def base_url(serve_port: int, model_dir: Path) -> Iterator[str]:
     from ray import serve
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    _deploy_main(model_dir)
     try:
-        _deploy_main(model_dir)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{serve_port}"
     finally:
-        serve.shutdown()
+        serve.delete(APP)
 
 
 @pytest.fixture

@@ -18,21 +18,10 @@ import httpx
 import pytest
 
 import test_serve
-from test_serve import FAST_DRAIN, _free_port, wait_until
+from test_serve import FAST_DRAIN, wait_until
 
 model_dir = test_serve.model_dir  # the fixture: a tiny model trained to write ASCII, with the byte tokenizer
-
-
-@pytest.fixture(scope="module")
-def serve_port(ray_cluster) -> Iterator[int]:
-    from ray import serve
-
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield port
-    finally:
-        serve.shutdown()
+# serve_port (conftest.py): the session's Serve, which the Serve modules share; each deploys and deletes its apps.
 
 
 # ---- the engine's process dies under load -------------------------------------------------------------
@@ -104,7 +93,7 @@ def test_a_dead_engine_ends_streams_with_an_error_event_and_requests_get_503_unt
             assert_unavailable(response)  # JSON while it is replaced, never plain text
         return response.status_code == 200
 
-    assert wait_until(served_again, timeout_s=120, interval_s=1)
+    assert wait_until(served_again, timeout_s=120, interval_s=0.25)
 
 
 def test_a_burst_past_every_limit_gets_json_429s_with_retry_after_never_plain_text(engine_process_url):

@@ -17,7 +17,7 @@ import ray.cloudpickle
 import helpers_moderation
 import test_serve
 from conftest import prometheus_lines
-from test_serve import FAST_DRAIN, _free_port, assert_openai_error, engine_stats, sse_events, wait_until
+from test_serve import FAST_DRAIN, assert_openai_error, engine_stats, sse_events, wait_until
 
 model_dir = test_serve.model_dir  # the fixture: a tiny model trained to write ASCII, with the byte tokenizer
 
@@ -33,7 +33,7 @@ MODERATION = {
 
 
 @pytest.fixture(scope="module")
-def base_url(ray_cluster, model_dir: Path) -> Iterator[str]:
+def base_url(serve_port: int, model_dir: Path) -> Iterator[str]:
     from ray import serve
 
     from gpt2_platform.serve.app import gpt2_deployment
@@ -41,20 +41,18 @@ def base_url(ray_cluster, model_dir: Path) -> Iterator[str]:
     # The replica gets the policy by value: it cannot import the tests folder (a real deployment ships
     # its moderation module with the job's working_dir or an installed package).
     ray.cloudpickle.register_pickle_by_value(helpers_moderation)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {
+        "model": str(model_dir),
+        "served_model_name": MODEL_NAME,
+        "engine": {"dtype": "fp32", "max_batch_size": 4},
+        "moderation": MODERATION,
+    }
+    app = gpt2_deployment(args, engine_options=FAST_DRAIN, ray_actor_options={"num_cpus": 1}, **FAST_DRAIN)
+    serve.run(app, name=APP, route_prefix="/")
     try:
-        args = {
-            "model": str(model_dir),
-            "served_model_name": MODEL_NAME,
-            "engine": {"dtype": "fp32", "max_batch_size": 4},
-            "moderation": MODERATION,
-        }
-        app = gpt2_deployment(args, engine_options=FAST_DRAIN, ray_actor_options={"num_cpus": 1}, **FAST_DRAIN)
-        serve.run(app, name=APP, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{serve_port}"
     finally:
-        serve.shutdown()
+        serve.delete(APP)
 
 
 @pytest.fixture
@@ -129,4 +127,4 @@ def test_the_metric_counts_blocked_prompts_and_completions_by_kind(client):
         return sum(float(line.rsplit(" ", 1)[1]) for line in lines if f'kind="{kind}"' in line)
 
     # Export is periodic: wait until this app's counts include the ones just made (earlier tests add more).
-    assert wait_until(lambda: count("prompt") >= 2 and count("completion") >= 2, timeout_s=40, interval_s=1)
+    assert wait_until(lambda: count("prompt") >= 2 and count("completion") >= 2, timeout_s=40, interval_s=0.25)

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,32 +17,32 @@ import pytest
 import yaml
 
 import test_serve
-from ray_head import RayHead, start_head
-from test_serve import _free_port, wait_until
+from conftest import HEAD_ENV, free_port
+from ray_head import RayHead
+from test_serve import wait_until
 
 model_dir = test_serve.model_dir  # the fixture: a tiny model trained to write ASCII, with the byte tokenizer
-API_KEY_ENV = "GPT2_PROXY_TEST_KEY"
-HEADERS = {"Authorization": "Bearer key-1"}
+API_KEY_ENV = "GPT2_PROXY_TEST_KEY"  # set to key-1 on the head (conftest.HEAD_ENV)
+HEADERS = {"Authorization": f"Bearer {HEAD_ENV[API_KEY_ENV]}"}
 
 
 @pytest.fixture(scope="module")
-def head() -> Iterator[RayHead]:
-    # As an operator exports it before `ray start`: the proxy reads it when it starts.
-    extra_env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "gpt2_platform.serve.proxy:middlewares"}
-    # The key is in the node's environment, where the replicas (and the app builder) read it.
-    head = start_head(num_cpus=3, extra_env={**extra_env, API_KEY_ENV: "key-1"})
-    yield head
-    left = head.stop()
-    assert not left, f"processes left behind: {left}"
+def head(ray_head: RayHead) -> RayHead:
+    # The session's `ray start --head` (conftest.py), which tests/test_job_submit.py uses too: its node's
+    # environment has the proxy's callback (as an operator exports it before `ray start`: the proxy reads it
+    # when it starts) and the key (where the replicas, and the app builder, read it). Stopped after this
+    # module, failing its last test if any of its processes outlived it.
+    return ray_head
 
 
 def _config(port: int, model_dir: Path, api_key_env: str) -> dict:
     args = {"model": str(model_dir), "engine": {"dtype": "fp32", "max_batch_size": 2}, "api_key_env": api_key_env}
-    # Two ingress replicas, so one can die while the other serves; one engine behind both.
+    # Two ingress replicas, so one can die while the other serves; one engine behind both (all on the head's
+    # 2 CPUs).
     ingress = {
         "name": "GPT2Server",
         "num_replicas": 2,
-        "ray_actor_options": {"num_cpus": 1},
+        "ray_actor_options": {"num_cpus": 0.5},
         "health_check_period_s": 1,
     }
     engine = {"name": "GPT2Engine", "ray_actor_options": {"num_cpus": 1}}
@@ -83,7 +82,7 @@ def app_status(head: RayHead) -> dict:
 
 @pytest.fixture(scope="module")
 def url(head: RayHead, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
-    port = _free_port()
+    port = free_port()
     serve_deploy(head, _config(port, model_dir, API_KEY_ENV), tmp_path_factory.mktemp("deploy"))
     base = f"http://127.0.0.1:{port}/gpt2"
 
@@ -93,7 +92,7 @@ def url(head: RayHead, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         except httpx.HTTPError:
             return False
 
-    assert wait_until(up, timeout_s=180, interval_s=1), app_status(head)
+    assert wait_until(up, timeout_s=180, interval_s=0.25), app_status(head)
     return base
 
 
@@ -169,13 +168,13 @@ def test_a_killed_ingress_replica_ends_its_streams_with_an_error_event_while_the
         assert response.headers["content-type"] == "application/json", response.text
         return response.status_code == 200
 
-    assert wait_until(served_again, timeout_s=120, interval_s=1)
+    assert wait_until(served_again, timeout_s=120, interval_s=0.25)
 
 
 def test_serve_deploy_of_a_config_whose_key_is_unset_keeps_the_running_app(head, url, model_dir, tmp_path):
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     serve_deploy(head, _config(port, model_dir, "GPT2_PROXY_TEST_UNSET_KEY"), tmp_path)
-    status = wait_until(lambda: (s := app_status(head)).get("status") == "DEPLOY_FAILED" and s, 90, interval_s=1)
+    status = wait_until(lambda: (s := app_status(head)).get("status") == "DEPLOY_FAILED" and s, 90, interval_s=0.25)
     # Refused by the app builder (its words), before Serve touched the running replica.
     assert status and "GPT2_PROXY_TEST_UNSET_KEY" in status["message"], app_status(head)
     assert "where the app is built" in status["message"], status["message"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import tiny_config
+from conftest import TINY_RUN_NAME, TINY_RUN_OVERRIDES, tiny_config
 from gpt2_platform.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from gpt2_platform.config_loader import ConfigError
 from gpt2_platform.train.loop import HISTORY
@@ -27,14 +27,10 @@ from gpt2_platform.train.trainer import fit
 
 pytestmark = pytest.mark.slow
 
-RUN_NAME = "resume"
-OVERRIDES = (
-    "train.log_every=1",
-    "train.checkpoint_every=2",
-    "train.keep_checkpoints=4",
-    "train.eval_every=0",
-    f"run.name={RUN_NAME}",
-)
+# The run of conftest.tiny_run: a report every step, checkpoints every 2 steps (4 kept), validation at steps 4
+# and 8, named "resume". Every run here resumes it under the same settings but train.max_steps.
+RUN_NAME = TINY_RUN_NAME
+OVERRIDES = TINY_RUN_OVERRIDES
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -46,11 +42,11 @@ def history(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def trained(ray_cluster, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An 8-step run with checkpoints at steps 2, 4, 6 and 8; tests copy it before they damage it."""
-    storage = tmp_path_factory.mktemp("template")
-    fit(tiny_config(corpus, storage, *OVERRIDES, "train.max_steps=8"))
-    return storage / RUN_NAME
+def trained(tiny_run) -> Path:
+    """An 8-step run with checkpoints at steps 2, 4, 6 and 8; tests copy it before they damage it (the session's
+    run, conftest.py: tests/test_evaluate.py evaluates it as it is)."""
+    assert tiny_run.run_dir.name == RUN_NAME
+    return tiny_run.run_dir
 
 
 @pytest.fixture
