@@ -110,10 +110,26 @@ def reference(ray_cluster, prompts: Path, model_dir: Path, tmp_path_factory: pyt
     """One complete run over all rows: (summary, rows by id)."""
     output = tmp_path_factory.mktemp("reference") / "out"
     # One batch at a time per actor: the plainest schedule, which the other runs must match.
+    # With a profiler window of the engine actor, from its start: test_an_actor_asked_for_a_trace_writes_one.
+    trace = [
+        f"profile.trace_dir={tmp_path_factory.getbasetemp() / 'reference-trace'}",
+        "profile.after_s=0",
+        "profile.seconds=0.2",
+    ]
     summary = run_generation(
-        load(None, overrides(prompts, output, model_dir, "scaling.concurrent_batches_per_actor=1"))
+        load(None, overrides(prompts, output, model_dir, "scaling.concurrent_batches_per_actor=1", *trace))
     )
     return summary, read_output(output)
+
+
+def test_an_actor_asked_for_a_trace_writes_one(reference, tmp_path_factory: pytest.TempPathFactory):
+    from gpt2_platform import traces
+
+    directory = tmp_path_factory.getbasetemp() / "reference-trace"
+    (path,) = traces.trace_files(directory)  # one actor, one whole file (no partial one under the name)
+    assert path.name.startswith("engine-") and not list(directory.glob("*.partial"))
+    # The engine's thread, not only the one that recorded: its model's operators are in the window.
+    assert any(op.name.startswith("aten::") for op in traces.self_times(traces.load(path)))
 
 
 def test_thousands_of_rows_end_to_end_with_error_rows_counted(reference, prompts: Path):

@@ -214,8 +214,8 @@ class EngineWorker:
 
     def _trace(self, profile: ProfileConfig) -> None:
         """`profile.seconds` of this process (the engine's thread, Ray Data's, the device) as a Chrome trace in
-        `profile.trace_dir`, from `profile.after_s` after the engine was ready; the log line says where, and how
-        busy the device was."""
+        `profile.trace_dir`, from `profile.after_s` after the engine was ready; the log line says where. Read
+        back by `jobs/trace_summary.py`, not here: parsing tens of MB would hold the GIL the engine needs."""
         from gpt2_platform import traces
 
         if self._stop_reporting.wait(profile.after_s):
@@ -223,16 +223,14 @@ class EngineWorker:
         path = Path(profile.trace_dir) / f"engine-{socket.gethostname()}-{os.getpid()}.pt.trace.json"
         try:
             traces.record_window(path, profile.seconds)
-            idle = traces.device_idle(traces.load(path))
         except Exception:  # a trace is there to look at: the job goes on without it
             logger.warning("the engine's trace was not written to %s", path, exc_info=True)
             return
         logger.info(
-            "wrote %.1f s of the engine's work as a trace to %s (python jobs/trace_summary.py %s)%s",
+            "wrote %.1f s of the engine's work as a trace to %s (python jobs/trace_summary.py %s)",
             profile.seconds,
             path,
             path.parent,
-            f"; the device was busy {idle.busy_ms / idle.span_ms:.0%} of it" if idle else "",
         )
 
     def __del__(self) -> None:

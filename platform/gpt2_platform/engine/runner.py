@@ -667,18 +667,11 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         for tensor, before in zip(keep, saved, strict=True):
             tensor.copy_(before)
-        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)  # the eager runs' time, apart from the capture's
         marks.append(time.perf_counter())
-        # Not `torch.cuda.graph`: its entry empties the caching allocator (and the pinned host cache) before
-        # every capture, which a capture on first use pays mid-job and the eager steps after it pay again.
-        # The graphs' memory comes from their own pool either way.
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(torch.cuda.Stream(self.device)):
-            graph.capture_begin(self._pool())
-            try:
-                out = step()
-            finally:
-                graph.capture_end()
+        with torch.cuda.graph(graph, pool=self._pool()):
+            out = step()
         marks.append(time.perf_counter())
         if not self._warming:  # a capture on first use holds up the engine's thread: the job's log says so
             self.captures_on_use += 1
