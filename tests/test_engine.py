@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 import threading
 import time
 
@@ -557,6 +558,26 @@ def test_a_compile_cache_dir_is_where_triton_and_torch_compile_keep_their_caches
     blocker.write_text("")
     with pytest.raises(ValueError, match=r"^engine.compile_cache_dir .*a-file: cannot make .*writable directory"):
         Engine(model, byte_tokenizer(), EngineConfig(max_batch_size=2, compile_cache_dir=str(blocker)))
+
+
+def test_a_started_engine_sets_the_processs_gil_switch_interval_and_null_leaves_it(model):
+    """The engine's thread must get the GIL back within a step's time when another thread of its process runs
+    Python; Python's own 5 ms is longer than a decode step."""
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        engine = Engine(model, byte_tokenizer(), EngineConfig(max_batch_size=2, gil_switch_interval_ms=0.25))
+        assert sys.getswitchinterval() == 0.005  # built, not started: nothing changed yet
+        engine.start(warmup=False)
+        engine.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.00025)
+        sys.setswitchinterval(0.005)
+        Engine(model, byte_tokenizer(), EngineConfig(max_batch_size=2, gil_switch_interval_ms=None)).start(
+            warmup=False
+        ).shutdown()
+        assert sys.getswitchinterval() == 0.005
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_an_engine_with_packed_prefill_generates_what_one_without_it_does(model):

@@ -26,6 +26,8 @@ BAD_ENGINE_VALUES = [
     ("decode_kernels", "cuda"),
     ("max_prefill_tokens", 0),
     ("compile_cache_dir", ""),
+    ("gil_switch_interval_ms", 0),
+    ("gil_switch_interval_ms", 500),
 ]
 
 

@@ -32,7 +32,7 @@ def instant_runner(engine: Engine) -> None:
     """Printable byte tokens at once, as if the device were infinitely fast."""
     runner = engine.runner
 
-    def start_prefill(prompts: list[list[int]], slots: list[int]) -> Launch:
+    def start_prefill(prompts: list[list[int]], slots: list[int], echo: bool = False) -> Launch:
         return Launch(torch.full((len(prompts),), 97, dtype=torch.long), len(prompts), None)
 
     def launch(active: int, continuing: list[int], max_position: int, fed=None) -> Launch:

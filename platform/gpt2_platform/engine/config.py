@@ -64,6 +64,12 @@ class EngineConfig:
     start; a directory that outlives the machine (shared storage, a persistent volume, beside the model)
     hands the next one its kernels compiled. None: their own defaults (~/.triton/cache and the system's
     temporary directory), which a fresh machine or container starts without."""
+    gil_switch_interval_ms: float | None = 0.5
+    """Python's thread switch interval for the engine's process, set when the engine starts (it is
+    process-wide). The engine's thread needs the GIL for a moment every step, to launch the next one; while
+    another thread of its process runs Python (a batch actor tokenizing a block, a replica's event loop),
+    the thread waiting for the GIL gets it only after the interval, 5 ms by Python's default, which is
+    longer than a decode step: the device idles. None: leave the process's interval as it is."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -78,6 +84,11 @@ class EngineConfig:
             raise ValueError(f"engine.max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.compile_cache_dir is not None and not str(self.compile_cache_dir).strip():
             raise ValueError("engine.compile_cache_dir must be a directory or null (the caches' own defaults), got ''")
+        if self.gil_switch_interval_ms is not None and not 0.01 <= self.gil_switch_interval_ms <= 100:
+            raise ValueError(
+                "engine.gil_switch_interval_ms must be between 0.01 and 100 (Python's default is 5) or null "
+                f"(leave the process's own), got {self.gil_switch_interval_ms}"
+            )
 
 
 @dataclass(frozen=True)

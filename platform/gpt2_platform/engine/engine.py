@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -193,6 +194,8 @@ class Engine:
         """
         if warmup:
             self.runner.warmup(modes, prefills=warm_prefills)
+        if self.config.gil_switch_interval_ms is not None:
+            sys.setswitchinterval(self.config.gil_switch_interval_ms / 1000)
         self._thread = threading.Thread(target=self._run, name="gpt2-engine", daemon=True)
         self._thread.start()
         return self
