@@ -334,3 +334,60 @@ def test_utf8_text_with_many_chunk_boundaries_passes(tmp_path: Path) -> None:
     path.write_text("\u00e9\u4e2d\U0001f600 " * 1000, encoding="utf-8")
     for chunk_bytes in (1, 2, 3, 5, 1 << 20):
         data_lib._check_utf8(path, chunk_bytes)
+
+
+def _token_blocks(rows: int, width: int = 5) -> ray.data.Dataset:
+    """Rows i of `width` tokens, all equal to i: a micro-batch's rows say which blocks it holds."""
+    return ray.data.from_items([{TOKENS_COLUMN: np.full(width, i, np.int32)} for i in range(rows)]).materialize()
+
+
+def _blocks_of(batches, count: int) -> list[list[int]]:
+    import torch
+
+    taken = [next(batches) for _ in range(count)]
+    batches.close()
+    for inputs, targets in taken:
+        assert inputs.dtype == torch.long and torch.equal(inputs[:, 1:], targets[:, :-1])
+    return [inputs[:, 0].tolist() for inputs, _ in taken]
+
+
+def test_micro_batches_read_ahead_are_the_inline_ones_across_epochs_and_after_a_resume_skip(ray_cluster) -> None:
+    """The reader thread changes when blocks are read, never which or in what order: each epoch shuffled by its
+    own seed, every block once an epoch, and a resume's skip landing mid-epoch on the same micro-batch."""
+    import torch
+
+    from gpt2_platform.train.loop import micro_batches
+
+    dataset, size, per_epoch, skip = _token_blocks(48), 4, 12, 17  # 17: the second epoch's sixth micro-batch
+    read = {
+        (prefetch, start): _blocks_of(
+            micro_batches(dataset.streaming_split(1)[0], size, torch.device("cpu"), 3, start, per_epoch, prefetch),
+            3 * per_epoch - start,
+        )
+        for prefetch in (0, 3)  # 3: the reader waits on a full queue, and runs into the next epoch
+        for start in (0, skip)
+    }
+    whole = read[0, 0]
+    assert read[3, 0] == whole
+    assert read[0, skip] == read[3, skip] == whole[skip:]
+    epochs = [sum(whole[i : i + per_epoch], []) for i in range(0, len(whole), per_epoch)]
+    assert all(sorted(epoch) == list(range(48)) for epoch in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]  # a new shuffle each epoch
+
+
+def test_a_failure_reading_ahead_is_raised_in_the_steps_thread(ray_cluster) -> None:
+    import torch
+
+    from gpt2_platform.train.loop import micro_batches
+
+    def broken(batch: dict) -> dict:
+        if (batch[TOKENS_COLUMN][:, 0] == 9).any():
+            raise ValueError("block 9 is unreadable")
+        return batch
+
+    dataset = _token_blocks(16).map_batches(broken, batch_size=4)
+    batches = micro_batches(dataset.streaming_split(1)[0], 4, torch.device("cpu"), 0, 0, 4, prefetch=8)
+    with pytest.raises(RuntimeError, match="reading the training data failed") as failure:
+        for _ in range(8):
+            next(batches)
+    assert "block 9 is unreadable" in str(failure.value.__cause__)
