@@ -61,7 +61,8 @@ def _all_reduce(values: list[float], device: torch.device, op: Any = None) -> li
 
 
 PREFETCH_MICRO_BATCHES = 32
-"""Micro-batches read ahead of the step (about 130 KB each for GPT-2's blocks of 1,024 tokens); 0 reads inline."""
+"""Micro-batches read ahead of the step (about 130 KB each for GPT-2's blocks of 1,024 tokens); 0 reads inline
+(the probe's baseline)."""
 
 
 def micro_batches(
@@ -80,12 +81,20 @@ def micro_batches(
     the device waits for its next step at every boundary (`tools/probes/epoch_boundary.py` measures the wait).
     Ray Data's own prefetching stops at the end of an epoch.
     """
-    if prefetch == 0:  # read inline, epoch after epoch (the probe's baseline)
-        for tokens in _tokens(shard, batch_size, seed, skip, micro_per_epoch):
+    blocks = _tokens(shard, batch_size, seed, skip, micro_per_epoch)
+    if prefetch:
+        blocks = _read_ahead(blocks, prefetch)
+    try:
+        for tokens in blocks:
             tokens = tokens.to(device, non_blocking=True)  # (B, T + 1)
             yield tokens[:, :-1], tokens[:, 1:]
-        return
-    ahead: queue.Queue = queue.Queue(maxsize=prefetch)
+    finally:
+        blocks.close()  # a reader thread stops with it
+
+
+def _read_ahead(items: Iterator[Any], depth: int) -> Iterator[Any]:
+    """`items`, drawn by a thread up to `depth` ahead of the consumer; what the thread raises is raised here."""
+    ahead: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
     def put(item: Any) -> bool:
@@ -99,20 +108,19 @@ def micro_batches(
 
     def read() -> None:
         try:
-            for tokens in _tokens(shard, batch_size, seed, skip, micro_per_epoch):
-                if not put(tokens):
+            for item in items:
+                if not put(item):
                     return
-        except BaseException as error:  # the step's thread raises it
+        except BaseException as error:
             put(_ReadFailed(error))
 
-    threading.Thread(target=read, name="micro-batches", daemon=True).start()
+    threading.Thread(target=read, name="read-ahead", daemon=True).start()
     try:
         while True:
-            tokens = ahead.get()
-            if isinstance(tokens, _ReadFailed):
-                raise RuntimeError("reading the training data failed") from tokens.error
-            tokens = tokens.to(device, non_blocking=True)  # (B, T + 1)
-            yield tokens[:, :-1], tokens[:, 1:]
+            item = ahead.get()
+            if isinstance(item, _ReadFailed):
+                raise RuntimeError("reading the training data failed") from item.error
+            yield item
     finally:
         stop.set()
 
