@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
+from gpt2_platform.batch.worker import ACTOR_IMPORTS  # noqa: E402
 from gpt2_platform.bench import batch, models  # noqa: E402
 from gpt2_platform.jobs_common import configure_logging  # noqa: E402
 from gpt2_platform.runtime import init_ray  # noqa: E402
@@ -55,7 +56,7 @@ def main() -> int:
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     configure_logging()
-    init_ray()
+    init_ray(preload=ACTOR_IMPORTS)  # as the batch job starts its own (batch.generate.connect_and_plan_actors)
     work = Path(tempfile.mkdtemp(prefix="bench-batch-"))
     prompts = batch.write_prompts(
         work / "prompts.parquet", args.num_prompts, args.min_prompt_tokens, args.max_prompt_tokens

@@ -426,6 +426,39 @@ def test_cli_exits_2_with_one_error_line(capsys: pytest.CaptureFixture[str], mod
     assert code == 2 and "output.path is empty" in out, out
 
 
+PRELOAD_PROBE = """
+import json, sys
+import ray
+from gpt2_platform.batch.worker import ACTOR_IMPORTS
+from gpt2_platform.runtime import init_ray
+
+init_ray(num_cpus=1, preload=ACTOR_IMPORTS)
+
+@ray.remote(num_cpus=1)
+def imported(names):
+    return [name for name in names if name in sys.modules]
+
+print(json.dumps(ray.get(imported.remote([*ACTOR_IMPORTS, "transformers", "gpt2_platform.train.loop"]))))
+ray.shutdown()
+"""
+
+
+def test_a_job_that_starts_its_own_ray_has_its_workers_import_the_actors_modules_ahead(tmp_path: Path):
+    # The batch job starts Ray with init_ray(preload=ACTOR_IMPORTS): a worker Ray hands a task or an actor
+    # has imported them before it, and nothing else of ours (the training loop stays unloaded).
+    from gpt2_platform.batch.worker import ACTOR_IMPORTS
+
+    env = {**os.environ, "HOME": str(tmp_path), "PYTHONPATH": str(REPO_ROOT / "platform")}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-c", PRELOAD_PROBE], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    imported = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(ACTOR_IMPORTS) | {"transformers"} <= set(imported), imported
+    assert "gpt2_platform.train.loop" not in imported
+
+
 def test_an_actor_warms_only_the_sampling_modes_its_job_can_use():
     from gpt2_platform.batch.config import GenerationConfig, InputConfig
     from gpt2_platform.batch.worker import sampling_modes

@@ -126,8 +126,18 @@ def _quiet_worker_progress_bars() -> None:
         sys.modules["ray.data"].DataContext.get_current().use_ray_tqdm = False
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Connect to RAY_ADDRESS / `address` if set, else start a local Ray; no-op if connected."""
+def init_ray(address: str | None = None, num_cpus: int | None = None, preload: tuple[str, ...] = ()) -> None:
+    """Connect to RAY_ADDRESS / `address` if set, else start a local Ray; no-op if connected.
+
+    `preload`: modules that a local Ray's worker processes import before they take work. Ray starts
+    workers ahead of need, one per CPU, so an actor that needs torch finds a process that has it instead
+    of importing it in its constructor, seconds on the path to a batch job's first rows
+    (tools/probes/actor_startup.py). It costs each worker the modules' memory, and a worker started
+    on demand for another task their import time, so only jobs whose actors all need them ask for it. A
+    cluster already running keeps its own setting (`ray start --system-config`, docs/operating.md).
+    Nothing preloaded may touch CUDA: Ray sets a worker's CUDA_VISIBLE_DEVICES when it hands it a GPU
+    actor, and a process that has initialised CUDA before then sees every GPU.
+    """
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -143,6 +153,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         # embedded run never means to do.
         address = "local"
         kwargs.update(_prepare_local_cluster())
+        if preload:
+            # Ray's option for this is a system config (the raylet passes it to each worker it starts);
+            # tests/test_batch.py checks that an actor of a preloading cluster finds torch imported.
+            kwargs["_system_config"] = {"preload_python_modules": list(preload)}
         if num_cpus is not None:
             kwargs["num_cpus"] = num_cpus
     else:

@@ -28,7 +28,7 @@ from gpt2_platform.batch.config import GenerateConfig, ScalingConfig
 from gpt2_platform.batch.inputs import InputError, InputFile, check_input, find_input_files
 from gpt2_platform.batch.rows import MODERATION_KINDS, output_schema
 from gpt2_platform.batch.score import score_schema
-from gpt2_platform.batch.worker import PATH_COLUMN, ROW_HASH_COLUMN, GenerateBatch, WorkerSpec
+from gpt2_platform.batch.worker import ACTOR_IMPORTS, PATH_COLUMN, ROW_HASH_COLUMN, GenerateBatch, WorkerSpec
 from gpt2_platform.moderation import Moderator, build_moderator
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def connect_and_plan_actors(scaling: ScalingConfig) -> tuple[int, float]:
     """Connect to (or start) Ray, plan the actors and wait for their resources: (actors, GPUs per actor)."""
     from gpt2_platform.runtime import init_ray
 
-    init_ray()
+    init_ray(preload=ACTOR_IMPORTS)
     num_actors, gpus_per_actor = plan_actors(scaling)
     wait_for_resources(num_actors, gpus_per_actor, scaling)
     return num_actors, gpus_per_actor
