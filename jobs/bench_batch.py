@@ -43,7 +43,7 @@ def main() -> int:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="engine.compile for our runs (default: the job's own, which compiles the token pick on CUDA)",
+        help="engine.compile for our runs (default: the engine's own, engine.default_compile)",
     )
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument(

@@ -99,7 +99,7 @@ def parse_args() -> argparse.Namespace:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="torch.compile the engine's decode step (default: the app's own default, on GPUs only)",
+        help="torch.compile the engine's decode step (default: the engine's own, engine.default_compile)",
     )
     started.add_argument(
         "--stream-interval-ms", type=float, default=20.0, help="limits.stream_interval_ms (0: every token)"

@@ -169,6 +169,16 @@ def test_a_compiled_decode_step_generates_what_the_eager_one_does(model, tokeniz
     assert outputs[True] == outputs[False]
 
 
+def test_compile_null_compiles_the_modules_step_on_a_gpu_and_nothing_else():
+    # With our decode kernels only the token pick would compile: not worth its seconds at every start.
+    from gpt2_platform.engine.engine import default_compile
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert default_compile(cuda, "torch")
+    assert not default_compile(cuda, "triton")
+    assert not default_compile(cpu, "torch") and not default_compile(cpu, "triton")
+
+
 def test_ids_past_the_tokenizer_are_never_sampled_from_a_padded_vocabulary(tokenizer):
     # A vocabulary padded past the tokenizer (as 50304 pads 50257), with the padding ids made the likeliest.
     torch.manual_seed(0)

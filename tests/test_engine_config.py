@@ -41,7 +41,7 @@ def test_serve_and_the_batch_job_take_the_same_engine_config_with_the_same_defau
     served, batched = AppArgs().engine, load_batch().engine
     assert type(served) is type(batched) is EngineConfig
     assert served == batched == EngineConfig()
-    assert served.compile is None and served.max_prefill_tokens == 4096  # compile: on CUDA only
+    assert served.compile is None and served.max_prefill_tokens == 4096  # compile: engine.default_compile
 
 
 def test_the_same_engine_values_give_the_same_config_in_both():

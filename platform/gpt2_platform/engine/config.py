@@ -46,8 +46,10 @@ class EngineConfig:
     """torch.compile the decode step (dynamic shapes: one compilation covers every bucket) before capture:
     with `decode_kernels` triton, only its token pick.
 
-    None: on CUDA only. On an H200 it made GPT-2's step 25% faster (docs/benchmarks.md); on a CPU its
-    warm-up takes minutes (124 s for the tiny preset on 2 cores, tools/probes/compile_warmup.py)."""
+    None: on CUDA with `decode_kernels` torch, where it fuses the modules' small kernels (25% faster a step
+    on an H200, docs/benchmarks.md); off with our Triton kernels, where the compiled pick gains a few
+    percent a step and costs seconds of every start (engine.default_compile); off on a CPU, where its
+    warm-up takes minutes (tools/probes/compile_warmup.py)."""
     decode_kernels: DecodeKernels = "auto"
     """The model's part of a decode step: "triton" (our fused kernels, engine/kernels.py), "torch" (the
     model's own modules, compiled with `compile`), or "auto": triton on CUDA where triton is installed."""

@@ -115,6 +115,14 @@ def use_compile_cache(directory: str) -> None:
         os.environ[variable] = str(path)
 
 
+def default_compile(device: torch.device, decode_kernels: str) -> bool:
+    """What `engine.compile: null` means: compile the model's modules on a GPU, where it fuses a step's
+    small kernels; not with our decode kernels, where it would compile only the token pick, whose step
+    is barely faster (1-7%) while dynamo's import and traces add about 11 s to a replica's start
+    (docs/benchmarks.md, "Current figures: batch generation"); not on a CPU (minutes of warm-up)."""
+    return device.type == "cuda" and decode_kernels == "torch"
+
+
 class Engine:
     def __init__(
         self, model: GPT2, tokenizer: PreTrainedTokenizerBase, config: EngineConfig, device: torch.device | None = None
@@ -127,6 +135,7 @@ class Engine:
         self.eos_token_id = tokenizer.eos_token_id
         self.byte_table = ByteTable.of(tokenizer)  # None: every token goes through the tokenizer
         self.max_seq_len = config.max_seq_len or model.config.n_positions
+        decode_kernels = resolve_decode_kernels(config.decode_kernels, device, model.config)
         self.runner = ModelRunner(
             model,
             config.max_batch_size,
@@ -134,9 +143,9 @@ class Engine:
             resolve_dtype(config.dtype, device),
             device,
             config.cuda_graphs,
-            compile_step=device.type == "cuda" if config.compile is None else config.compile,
+            compile_step=default_compile(device, decode_kernels) if config.compile is None else config.compile,
             vocab_limit=len(tokenizer),
-            decode_kernels=resolve_decode_kernels(config.decode_kernels, device, model.config),
+            decode_kernels=decode_kernels,
             packed_prefill=config.packed_prefill,
         )
         if self.runner.vocab_limit < model.config.vocab_size:
