@@ -134,7 +134,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, preload: t
     of importing it in its constructor, seconds on the path to a batch job's first rows
     (tools/probes/actor_startup.py). It costs each worker the modules' memory, and a worker started
     on demand for another task their import time, so only jobs whose actors all need them ask for it. A
-    cluster already running keeps its own setting (`ray start --system-config`, docs/operating.md).
+    cluster already running keeps its own setting (docs/operating.md, "Batch generation").
     Nothing preloaded may touch CUDA: Ray sets a worker's CUDA_VISIBLE_DEVICES when it hands it a GPU
     actor, and a process that has initialised CUDA before then sees every GPU.
     """
