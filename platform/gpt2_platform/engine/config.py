@@ -46,8 +46,8 @@ class EngineConfig:
     """torch.compile the decode step (dynamic shapes: one compilation covers every bucket) before capture:
     with `decode_kernels` triton, only its token pick.
 
-    None: on CUDA with `decode_kernels` torch, where it fuses the modules' small kernels (25% faster a step
-    on an H200, docs/benchmarks.md); off with our Triton kernels, where the compiled pick gains a few
+    None: on CUDA with `decode_kernels` torch, where it fuses the modules' small kernels (docs/benchmarks.md,
+    "The decode step's GPU time, compiled in different ways"); off with our Triton kernels, where the compiled pick gains a few
     percent a step and costs seconds of every start (engine.default_compile); off on a CPU, where its
     warm-up takes minutes (tools/probes/compile_warmup.py)."""
     decode_kernels: DecodeKernels = "auto"

@@ -117,9 +117,10 @@ def use_compile_cache(directory: str) -> None:
 
 def default_compile(device: torch.device, decode_kernels: str) -> bool:
     """What `engine.compile: null` means: compile the model's modules on a GPU, where it fuses a step's
-    small kernels; not with our decode kernels, where it would compile only the token pick, whose step
-    is barely faster (1-7%) while dynamo's import and traces add about 11 s to a replica's start
-    (docs/benchmarks.md, "Current figures: batch generation"); not on a CPU (minutes of warm-up)."""
+    small kernels; not with our decode kernels, where it would compile only the token pick, which makes
+    a step a few percent faster while dynamo's import and traces add seconds to every replica's start
+    (docs/benchmarks.md, "Current figures: batch generation", the Serve start); not on a CPU (minutes
+    of warm-up)."""
     return device.type == "cuda" and decode_kernels == "torch"
 
 
