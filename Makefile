@@ -21,9 +21,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) jobs/demo.py
 
-# Two pytest-xdist workers: most tests wait on Ray processes, not on this one (tests/conftest.py groups them).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check platform jobs tools tests

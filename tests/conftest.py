@@ -79,25 +79,7 @@ def _uses(item: pytest.Item, name: str) -> bool:
     return name in getattr(item, "fixturenames", ())
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups given here
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _order_by_shared_fixture(items)
-    if config.pluginmanager.hasplugin("xdist"):
-        _group_for_workers(items)
-
-
-def _group_for_workers(items: list[pytest.Item]) -> None:
-    """`make test` runs two pytest-xdist workers (`--dist loadgroup`): a worker takes a group whole and runs it
-    in this order. A module is a group, so its module fixtures are built once; the modules that share one of
-    the _STOPPED_EARLY fixtures are one group, so that fixture starts once, on one worker, and stops after
-    the group's last test, which that worker runs last."""
-    shared = {name: {item.path for item in items if _uses(item, name)} for name in _STOPPED_EARLY}
-    for item in items:
-        group = next((name for name, paths in shared.items() if item.path in paths), item.path.name)
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
-def _order_by_shared_fixture(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for name in _STOPPED_EARLY:
         # The modules that use it, whole and in file order, where the first of their tests was. (In file order
         # whatever the command line's: test_job_submit.py needs the head's CPUs, which test_serve_proxy.py's
