@@ -459,6 +459,34 @@ def test_a_job_that_starts_its_own_ray_has_its_workers_import_the_actors_modules
     assert "gpt2_platform.train.loop" not in imported
 
 
+CUDA_QUERIES_PROBE = """
+import importlib, json
+import torch, torch.cuda
+
+asked = []
+for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "get_device_capability"):
+    def spy(*args, _name=name, _original=getattr(torch.cuda, name), **kwargs):
+        asked.append(_name)
+        return _original(*args, **kwargs)
+    setattr(torch.cuda, name, spy)
+from gpt2_platform.batch.worker import ACTOR_IMPORTS
+for module in ACTOR_IMPORTS:
+    importlib.import_module(module)
+print(json.dumps(asked))
+"""
+
+
+def test_importing_the_preloaded_modules_asks_cuda_nothing():
+    # A preloaded worker imports them before Ray sets its CUDA_VISIBLE_DEVICES: a CUDA query at import
+    # would fix the devices the process sees, and two actors would share one GPU.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "platform")}
+    result = subprocess.run(
+        [sys.executable, "-c", CUDA_QUERIES_PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
 def test_an_actor_warms_only_the_sampling_modes_its_job_can_use():
     from gpt2_platform.batch.config import GenerationConfig, InputConfig
     from gpt2_platform.batch.worker import sampling_modes
