@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
@@ -9,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from gpt2_platform import demo_data
-from gpt2_platform.engine.detokenize import ByteTable, IncrementalDetokenizer
+from gpt2_platform.engine.detokenize import ByteTable, IncrementalDetokenizer, TableTokenizer
 from gpt2_platform.tokenizer import EOS_TOKEN, byte_tokenizer
 
 TEXT = "café naïve — 東京 😀 alice has 3 apples."
@@ -63,3 +64,14 @@ def test_a_tokenizer_that_is_not_byte_level_gets_no_table_and_still_decodes() ->
     for token_id in tokenizer("alice has apples")["input_ids"]:
         detokenizer.add(token_id)
     assert detokenizer.text == "alice has apples"
+
+
+def test_a_table_tokenizer_decodes_as_its_tokenizer_and_travels_without_transformers() -> None:
+    """What an engine process gets from its parent instead of the tokenizer (engine/process.py)."""
+    tokenizer = trained_bpe()
+    table = pickle.loads(pickle.dumps(TableTokenizer.of(tokenizer)))
+    assert (len(table), table.eos_token_id) == (len(tokenizer), tokenizer.eos_token_id)
+    rng = random.Random(2)
+    for ids in [tokenizer(TEXT)["input_ids"]] + [[rng.randrange(len(tokenizer)) for _ in range(30)] for _ in range(10)]:
+        assert table.decode(ids) == tokenizer.decode(ids)
+    assert TableTokenizer.of(word_level()) is None  # the engine needs such a tokenizer itself

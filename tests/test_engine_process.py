@@ -88,6 +88,43 @@ def engine_process(model_dir: Path, batches: list[int]) -> Iterator[EngineProces
     engine.shutdown()
 
 
+def test_the_child_gets_a_byte_level_tokenizer_from_its_parent_and_never_imports_transformers(engine_process):
+    """transformers' import was seconds of a replica's start; the parent loads the tokenizer meanwhile."""
+    assert engine_process.child_imported_transformers is False
+
+
+def word_level_tokenizer(directory: Path, eos: bool) -> Path:
+    """A tokenizer that is not byte-level (words joined by spaces), saved as transformers saves one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "alice", "has", "apples", "<|endoftext|>"]
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    special = {"eos_token": "<|endoftext|>"} if eos else {}
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", **special).save_pretrained(directory)
+    return directory
+
+
+def test_a_tokenizer_that_is_not_byte_level_is_loaded_by_the_child_and_a_bad_one_fails_at_once(model_dir, tmp_path):
+    words = word_level_tokenizer(tmp_path / "words", eos=True)
+    engine = EngineProcess(str(model_dir), str(words), CONFIG, warmup=False).start()
+    try:
+        assert engine.child_imported_transformers is True
+        [events] = run_to_end(engine, [[1, 2]], greedy(6))
+        ids = [token for event in events for token in event.token_ids]
+        assert len(ids) == 6 and all(token < 5 for token in ids)  # only the tokenizer's ids are sampled
+        assert "".join(event.text for event in events) == load_tokenizer(str(words)).decode(ids)
+    finally:
+        engine.shutdown()
+    no_eos = word_level_tokenizer(tmp_path / "no-eos", eos=False)
+    started = time.monotonic()
+    with pytest.raises(EngineStartError, match="has no EOS token"):
+        EngineProcess(str(model_dir), str(no_eos), CONFIG, warmup=False).start()
+    assert time.monotonic() - started < 20  # the child is not waited on: it had nothing to finish
+
+
 def test_greedy_tokens_and_text_equal_an_in_process_engine(engine_process, model_dir):
     tokenizer = load_tokenizer(str(model_dir))
     local = Engine(checkpoint.load_pretrained(str(model_dir)), tokenizer, CONFIG).start(warmup=False)
@@ -208,9 +245,12 @@ def test_shutdown_stops_the_child_and_a_bad_model_is_a_start_error(model_dir, tm
 
 
 PARENT_SCRIPT = """
-import sys, time
+import os, sys, time
 from gpt2_platform.engine.engine import EngineConfig
 from gpt2_platform.engine.process import EngineProcess
+
+with open(sys.argv[2], "a") as ran:  # each process that runs this module, as a Ray worker's script would be
+    ran.write(f"{os.getpid()}\\n")
 
 if __name__ == "__main__":
     engine = EngineProcess(sys.argv[1], sys.argv[1], EngineConfig(max_batch_size=1, dtype="fp32"), warmup=False)
@@ -219,14 +259,19 @@ if __name__ == "__main__":
 """
 
 
-def test_the_child_exits_when_its_parent_is_killed(model_dir, tmp_path):
-    script = tmp_path / "parent.py"
+def test_the_child_exits_when_its_parent_is_killed_and_never_runs_its_parents_script(model_dir, tmp_path):
+    """A Serve replica's main module is Ray's worker script: the engine process must not run it again (a
+    spawned child would, as `__mp_main__`, and import all of Ray before its own start)."""
+    script, ran = tmp_path / "parent.py", tmp_path / "ran"
     script.write_text(PARENT_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    parent = subprocess.Popen([sys.executable, str(script), str(model_dir)], stdout=subprocess.PIPE, text=True, env=env)
+    parent = subprocess.Popen(
+        [sys.executable, str(script), str(model_dir), str(ran)], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         child_pid = int(parent.stdout.readline())
         assert pid_alive(child_pid)
+        assert ran.read_text().split() == [str(parent.pid)]
         parent.kill()  # SIGKILL: no atexit, no shutdown(); only the closed pipe tells the child
         parent.wait(timeout=10)
         assert wait_until(lambda: not pid_alive(child_pid), timeout_s=20), "the engine process outlived its parent"

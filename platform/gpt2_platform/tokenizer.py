@@ -12,9 +12,12 @@ import json
 import logging
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import transformers
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    # Imported where used: an engine process that gets its tokenizer as a byte table from its parent
+    # (engine/process.py) never imports transformers, seconds of a replica's start.
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,9 @@ def named_tokenizer_class(directory: Path) -> type[PreTrainedTokenizerBase] | No
     installed), 6 s of every Ray actor's start-up on the GPU machine (docs/benchmarks.md, session 6).
     None (then AutoTokenizer decides) for a hub name or a directory that names no class.
     """
+    import transformers
+    from transformers import PreTrainedTokenizerBase
+
     try:
         name = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):

@@ -38,6 +38,7 @@ IMPORTED_AT = time.time()  # when this module (and the engine, torch, transforme
 
 ACTOR_IMPORTS = (
     "torch",
+    "transformers",  # the tokenizer's; gpt2_platform.tokenizer imports it only when loading one
     "gpt2_platform.checkpoint",
     "gpt2_platform.engine.engine",
     "gpt2_platform.tokenizer",

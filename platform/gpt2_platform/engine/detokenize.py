@@ -6,10 +6,12 @@ import codecs
 import logging
 import random
 from collections.abc import Sequence
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from gpt2_platform.tokenizer import byte_level_vocab
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,32 @@ class ByteTable:
 
     def decode(self, ids: list[int]) -> str:
         return b"".join(map(self.token_bytes.__getitem__, ids)).decode("utf-8", errors="replace")
+
+
+class TableTokenizer:
+    """What an engine needs of a plain byte-level BPE tokenizer, without transformers: its size, its EOS
+    id, and decoding through its byte table (`ByteTable.of` checked that it decodes as the tokenizer).
+
+    An engine process gets one from its parent (engine/process.py), which loads the tokenizer while
+    the process imports torch: the process never imports transformers, seconds of a replica's start.
+    """
+
+    def __init__(self, table: ByteTable, eos_token_id: int | None, name: str) -> None:
+        self.table = table
+        self.eos_token_id = eos_token_id
+        self.name = name
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase) -> TableTokenizer | None:
+        """None unless `tokenizer` is plain byte-level BPE (then the engine needs the tokenizer itself)."""
+        table = ByteTable.of(tokenizer)
+        return None if table is None else cls(table, tokenizer.eos_token_id, type(tokenizer).__name__)
+
+    def __len__(self) -> int:
+        return len(self.table.token_bytes)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.table.decode(ids)
 
 
 class IncrementalDetokenizer:

@@ -23,13 +23,13 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from gpt2_platform.engine import kernels
-from gpt2_platform.engine.detokenize import ByteTable
+from gpt2_platform.engine.detokenize import ByteTable, TableTokenizer
 from gpt2_platform.engine.output import TextOutput
 from gpt2_platform.engine.requests import (
     Completion,
@@ -45,6 +45,9 @@ from gpt2_platform.engine.requests import (
 )
 from gpt2_platform.engine.runner import SAMPLING_MODES, Launch, ModelRunner
 from gpt2_platform.model import GPT2
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +129,11 @@ def default_compile(device: torch.device, decode_kernels: str) -> bool:
 
 class Engine:
     def __init__(
-        self, model: GPT2, tokenizer: PreTrainedTokenizerBase, config: EngineConfig, device: torch.device | None = None
+        self,
+        model: GPT2,
+        tokenizer: PreTrainedTokenizerBase | TableTokenizer,
+        config: EngineConfig,
+        device: torch.device | None = None,
     ) -> None:
         device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if config.compile_cache_dir is not None:
@@ -134,7 +141,8 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
-        self.byte_table = ByteTable.of(tokenizer)  # None: every token goes through the tokenizer
+        # None: every token goes through the tokenizer
+        self.byte_table = tokenizer.table if isinstance(tokenizer, TableTokenizer) else ByteTable.of(tokenizer)
         self.max_seq_len = config.max_seq_len or model.config.n_positions
         decode_kernels = resolve_decode_kernels(config.decode_kernels, device, model.config)
         self.runner = ModelRunner(

@@ -10,10 +10,13 @@ process that feeds the GPU. The in-process engine runs the same code on its own 
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from gpt2_platform.engine.detokenize import ByteTable, IncrementalDetokenizer, find_stop
 from gpt2_platform.engine.requests import GenerationParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class TextOutput:

@@ -3,7 +3,7 @@
 In one process, the engine's loop thread and Serve's streaming machinery (an executor
 thread, two event loops) take turns on one GIL, and at high concurrency the host, not the
 GPU, sets the pace. `EngineProcess` stands in for the parts of `Engine` a server uses:
-the parent validates and submits; the child (started with `spawn`) owns the model and
+the parent validates and submits; the child (a fresh interpreter) owns the model and
 sends one message per engine step with all of that step's events; a reader thread in the
 parent hands each message to the `deliver_in_batches` function in one call, so a server
 still wakes its event loop once per step.
@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -95,7 +97,7 @@ class EngineProcess:
         self._stats: dict[str, Any] = {}
         self._error: str | None = None
         self._stopping = False
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._process: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._reader: threading.Thread | None = None
 
@@ -107,36 +109,58 @@ class EngineProcess:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> EngineProcess:
         """Start the child and wait until its engine is built and warm; EngineStartError if it fails."""
-        context = multiprocessing.get_context("spawn")  # fork would copy this process's threads and CUDA state
-        self._conn, child_conn = context.Pipe(duplex=True)
-        self._process = context.Process(
-            target=_child_main, args=(child_conn, os.getpid(), self.spec), name="gpt2-engine", daemon=True
-        )
-        self._process.start()
-        child_conn.close()  # the child's copy is its own: the parent keeps one end, so EOF means the child is gone
+        self._process, self._conn = _start_child(self.spec)
         try:
+            self._send_tokenizer()
             info = self._wait_until_ready()
-        except BaseException:
-            self._stop_process()
+        except BaseException:  # the child serves nothing yet: nothing to wait for
+            self._process.kill()
+            _wait(self._process, 10)
+            self._conn.close()
             raise
         self.max_seq_len, self.vocab_size = info["max_seq_len"], info["vocab_size"]
+        self.child_imported_transformers: bool = info["transformers_imported"]
         self._stats = info["stats"]
         self._reader = threading.Thread(target=self._read, name="gpt2-engine-reader", daemon=True)
         self._reader.start()
-        logger.info("engine process %d ready (max_seq_len %d)", self._process.pid, self.max_seq_len)
+        logger.info(
+            "engine process %d ready (max_seq_len %d; %s)",
+            self._process.pid,
+            self.max_seq_len,
+            "it imported transformers for its tokenizer"
+            if self.child_imported_transformers
+            else "its tokenizer a byte table",
+        )
         return self
+
+    def _send_tokenizer(self) -> None:
+        """Load the tokenizer here, while the child imports torch, and send the child what its engine needs
+        of it: a `TableTokenizer` for plain byte-level BPE (GPT-2's), so the child never imports
+        transformers; None for any other, which the child then loads itself."""
+        from gpt2_platform.engine.detokenize import TableTokenizer
+        from gpt2_platform.tokenizer import load_tokenizer
+
+        assert self._conn is not None
+        try:
+            tokenizer = TableTokenizer.of(load_tokenizer(self.spec.tokenizer))
+        except ValueError as error:  # load_tokenizer's: it says what was wrong and what to pass instead
+            raise EngineStartError(f"the engine process could not start its engine: {error}") from error
+        try:
+            self._conn.send(tokenizer)
+        except OSError:
+            pass  # the child is gone: waiting for it to be ready says how
 
     def _wait_until_ready(self) -> dict[str, Any]:
         assert self._conn is not None and self._process is not None
         while not self._conn.poll(1.0):
-            if not self._process.is_alive():
-                raise EngineStartError(f"the engine process exited with code {self._process.exitcode} while starting")
+            if self._process.poll() is not None:
+                raise EngineStartError(f"the engine process exited with code {self._process.returncode} while starting")
         try:
             kind, payload = self._conn.recv()
         except EOFError:
-            self._process.join(timeout=5)
+            _wait(self._process, 5)
             raise EngineStartError(
-                f"the engine process exited with code {self._process.exitcode} while starting"
+                f"the engine process exited with code {self._process.returncode} while starting"
             ) from None
         if kind == "failed":
             raise EngineStartError(f"the engine process could not start its engine:\n{payload}")
@@ -159,11 +183,10 @@ class EngineProcess:
 
     def _stop_process(self) -> None:
         assert self._process is not None
-        self._process.join(timeout=30)
-        if self._process.is_alive():
+        if not _wait(self._process, 30):
             logger.warning("engine process %d did not stop in 30 s; killing it", self._process.pid)
             self._process.kill()
-            self._process.join(timeout=10)
+            _wait(self._process, 10)
         if self._conn is not None:
             self._conn.close()
 
@@ -171,7 +194,7 @@ class EngineProcess:
         """Raise EngineDeadError if the child died or its engine loop failed."""
         if self._error is not None:
             raise EngineDeadError(self._error)
-        if self._process is None or not self._process.is_alive():
+        if self._process is None or self._process.poll() is not None:
             raise EngineDeadError("engine process is not running")
 
     def deliver_in_batches(self, deliver: Deliver) -> None:
@@ -279,8 +302,8 @@ class EngineProcess:
             pass
         if self._stopping:
             return
-        self._process.join(timeout=5)
-        self._error = self._error or f"engine process exited unexpectedly (exit code {self._process.exitcode})"
+        _wait(self._process, 5)
+        self._error = self._error or f"engine process exited unexpectedly (exit code {self._process.returncode})"
         logger.error("%s; failing %d pending requests", self._error, len(self._pending))
         self._fail_pending(f"engine failed: {self._error}")
 
@@ -392,13 +415,67 @@ class _Outlets:
             return sum(len(outlet.engine_ids) for outlet in self._by_address.values() if not outlet.closed)
 
 
+# The child's first lines, before it can import anything of ours: the parent's import path comes over the
+# connection first, as multiprocessing's spawn would pass it.
+_CHILD_ENTRY = (
+    "import sys\n"
+    "from multiprocessing.connection import Connection\n"
+    "conn = Connection(int(sys.argv[1]))\n"
+    "sys.path[:] = conn.recv()\n"
+    "from gpt2_platform.engine.process import _child_entry\n"
+    "_child_entry(conn)\n"
+)
+
+
+def _start_child(spec: EngineSpec) -> tuple[subprocess.Popen, Connection]:
+    """A fresh interpreter for the engine, and the parent's end of a duplex connection to it.
+
+    Not multiprocessing's `spawn`: a spawned child first runs its parent's main module again (as
+    `__mp_main__`), and a Serve replica's main module is Ray's worker script, so every engine process
+    imported all of Ray, which it never uses, before its own imports. Nor `fork`: the parent has Ray's
+    threads, and the child must start CUDA fresh.
+    """
+    parent_end, child_end = socket.socketpair()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-c", _CHILD_ENTRY, str(child_end.fileno())],
+            pass_fds=(child_end.fileno(),),
+            stdin=subprocess.DEVNULL,
+        )
+    except BaseException:
+        parent_end.close()
+        raise
+    finally:
+        child_end.close()  # the child has its own copy: EOF on the parent's end means the child is gone
+    conn = Connection(parent_end.detach())
+    try:
+        conn.send([entry for entry in sys.path])
+        conn.send((os.getpid(), spec))
+    except OSError:
+        pass  # the child died at once: waiting for it to be ready says how
+    return process, conn
+
+
+def _wait(process: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for `process` to exit; whether it has (its returncode is then set)."""
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def _child_entry(conn: Connection) -> None:
+    """The child's main: the rest of what the parent sent, then the engine."""
+    parent_pid, spec = conn.recv()
+    _child_main(conn, parent_pid, spec)
+
+
 def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
     """Build and warm the engine, report ready, then serve the parent's commands until it says stop or dies."""
-    from gpt2_platform import checkpoint
-    from gpt2_platform.engine.engine import Engine
-    from gpt2_platform.tokenizer import load_tokenizer
     from gpt2_platform.worker_process import process_age_s
 
+    age = process_age_s()
     # Ctrl-C in a terminal reaches the whole process group: the parent decides when this process stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not logging.getLogger().handlers:  # a fresh interpreter: the parent's logging setup did not come along
@@ -424,22 +501,41 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
             send(("events", packed))
 
     try:
-        # A replica's start-up is mostly this process's: say where it went, from the process's creation on.
-        age = process_age_s()
-        started = time.perf_counter()
+        # A replica's start-up is mostly this process's: say where it went, from the process's creation on,
+        # the imports timed apart.
+        imports = [time.perf_counter()]
+        import torch  # noqa: F401
+
+        imports.append(time.perf_counter())
+        from gpt2_platform import checkpoint
+        from gpt2_platform.engine.engine import Engine
+        from gpt2_platform.tokenizer import load_tokenizer
+
+        imports.append(time.perf_counter())
         model = checkpoint.load_pretrained(spec.model)
         loaded = time.perf_counter()
-        engine = Engine(model, load_tokenizer(spec.tokenizer), spec.config)
+        tokenizer = conn.recv()  # from the parent (EngineProcess._send_tokenizer), loaded meanwhile
+        waited = time.perf_counter()
+        from_parent = tokenizer is not None
+        if not from_parent:  # not plain byte-level BPE: the engine needs the tokenizer itself
+            tokenizer = load_tokenizer(spec.tokenizer)
+        tokenized = time.perf_counter()
+        engine = Engine(model, tokenizer, spec.config)
         built = time.perf_counter()
         engine.deliver_in_batches(deliver)
         engine.start(spec.warmup, spec.modes)
         logger.info(
-            "engine ready %.1f s after this process started (start-up and imports %.1f s, model %.1f s, "
-            "engine %.1f s, warm-up %.1f s)",
-            (age or 0.0) + time.perf_counter() - started,
+            "engine ready %.1f s after this process started (interpreter %.1f s; imports %.1f s: torch %.1f, "
+            "ours %.1f; model %.1f s; tokenizer: waited for the parent's %.1f s%s; engine %.1f s, warm-up %.1f s)",
+            (age or 0.0) + time.perf_counter() - imports[0],
             age or 0.0,
-            loaded - started,
-            built - loaded,
+            imports[-1] - imports[0],
+            imports[1] - imports[0],
+            imports[2] - imports[1],
+            loaded - imports[2],
+            waited - loaded,
+            "" if from_parent else f", not byte-level BPE so loaded here {tokenized - waited:.1f} s",
+            built - tokenized,
             time.perf_counter() - built,
         )
         # What this process holds by now (torch, the model, the graphs) lives as long as it does: out of
@@ -449,7 +545,11 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
         send(("failed", traceback.format_exc()))
         return
     try:
-        info = {"max_seq_len": engine.max_seq_len, "vocab_size": engine.runner.model.config.vocab_size}
+        info = {
+            "max_seq_len": engine.max_seq_len,
+            "vocab_size": engine.runner.model.config.vocab_size,
+            "transformers_imported": "transformers" in sys.modules,
+        }
         send(("ready", {**info, "stats": engine.stats()}))
         _serve_commands(conn, parent_pid, engine, send, finished, _Outlets(engine), gc_pauses.GcPauses())
     except (EOFError, OSError):

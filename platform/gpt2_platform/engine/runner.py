@@ -217,6 +217,10 @@ class ModelRunner:
         self.captures_on_use = 0
         self.capture_on_use_s = 0.0
         self._warming = False
+        # Each capture's seconds by phase (the steps in flight, the eager run, the capture itself),
+        # summed: what a replica's warm-up spends its time on, in its log line.
+        self.capture_phases_s = [0.0, 0.0, 0.0]
+        self.captures = 0
         self.prompt_positions = torch.arange(max_seq_len, device=device)[None, :]
         # Compiled with dynamic shapes, the step fuses its small kernels (layer norms, GELU,
         # residuals, cache writes) once for every bucket; the graphs are then captured around it.
@@ -650,8 +654,11 @@ class ModelRunner:
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """`step` captured as a CUDA graph, and the tensor it returns (filled by every replay).
 
-        `step` runs twice first, outside the graph; `keep` are tensors it changes that must hold, after
-        the capture, what they held before (a graph captured on first use, mid-sequence). All graphs
+        `step` runs once first, outside the graph: that loads its kernels and sizes cuBLAS's workspace,
+        which a capture cannot do. (It ran twice, as torch's examples do; the eager runs were most of a
+        replica's warm-up, and the GPU tests compare the graphs with the eager model.) `keep` are tensors
+        it changes that must hold, after the capture, what they held before (a graph captured on first
+        use, mid-sequence). All graphs
         share one memory pool: each output is read (copied to the host) right after its replay, before
         any other graph runs on the stream and may reuse that memory.
         """
@@ -662,22 +669,24 @@ class ModelRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up kernels (and cuBLAS workspaces) outside the graph
-                step()
+            step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         for tensor, before in zip(keep, saved, strict=True):
             tensor.copy_(before)
-        torch.cuda.synchronize(self.device)  # the eager runs' time, apart from the capture's
+        torch.cuda.synchronize(self.device)  # the eager run's time, apart from the capture's
         marks.append(time.perf_counter())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool()):
             out = step()
         marks.append(time.perf_counter())
+        self.captures += 1
+        for phase in range(3):
+            self.capture_phases_s[phase] += marks[phase + 1] - marks[phase]
         if not self._warming:  # a capture on first use holds up the engine's thread: the job's log says so
             self.captures_on_use += 1
             self.capture_on_use_s += marks[-1] - marks[0]
             logger.info(
-                "captured a graph on first use in %.3f s (the steps in flight %.3f s, two eager runs %.3f s, "
+                "captured a graph on first use in %.3f s (the steps in flight %.3f s, an eager run %.3f s, "
                 "the capture %.3f s)",
                 marks[-1] - marks[0],
                 marks[1] - marks[0],
@@ -702,14 +711,16 @@ class ModelRunner:
         unknown = set(modes) - set(SAMPLING_MODES)
         assert not unknown, f"unknown sampling modes {unknown}"
         start = time.perf_counter()
+        captures, phases = self.captures, list(self.capture_phases_s)
         self._warming = True
         try:
             decode_s = self._warm(modes, prefills)
         finally:
             self._warming = False
         elapsed = time.perf_counter() - start
+        phases = [now - before for now, before in zip(self.capture_phases_s, phases, strict=True)]
         logger.info(
-            "engine warm: %d batch x %d span shapes x %d modes%s in %.1f s (decode %.1f s, prefill %.1f s)",
+            "engine warm: %d batch x %d span shapes x %d modes%s in %.1f s (decode %.1f s, prefill %.1f s%s)",
             len(self.batch_buckets),
             len(self.span_buckets),
             len(modes),
@@ -717,6 +728,10 @@ class ModelRunner:
             elapsed,
             decode_s,
             elapsed - decode_s,
+            f"; {self.captures - captures} graphs: eager runs {phases[1]:.1f} s, captures {phases[2]:.1f} s, "
+            f"waits {phases[0]:.1f} s"
+            if self.captures > captures
+            else "",
         )
         return elapsed
 
