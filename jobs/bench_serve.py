@@ -166,7 +166,11 @@ def main() -> int:
         print(f"engine alone: {[(r['batch_size'], round(r['tokens_per_s'])) for r in baseline['rows']]} tokens/s")
     if args.start_preset:
         app = start_app(args)
-        print(f"replica ready in {app['replica_ready_s']:.1f} s on {app['num_gpus']} GPU(s)", flush=True)
+        print(
+            f"replica ready in {app['replica_ready_s']:.1f} s on {app['num_gpus']} GPU(s) (Serve's status RUNNING; "
+            f"serve.run, which looks once a second, returned at {app['serve_run_s']:.1f} s)",
+            flush=True,
+        )
     try:
         model = load.discover_model(settings)
         print("\n".join(load_report.markdown_header(with_engine=False)), file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -88,17 +89,41 @@ def start(
         max_ongoing_requests=8 * max_batch_size,
         ray_actor_options={"num_cpus": 1},
     )
-    serve.run(app, name=APP_NAME, route_prefix="/")
-    ready_s = time.perf_counter() - started
-    logger.info("app ready in %.1f s (%d ingress replicas, engine on %d GPU)", ready_s, ingress_replicas, num_gpus)
+    ready_s, run_s = _deploy(serve, app, started)
+    logger.info(
+        "app ready in %.1f s, serve.run returned at %.1f s (%d ingress replicas, engine on %d GPU)",
+        ready_s,
+        run_s,
+        ingress_replicas,
+        num_gpus,
+    )
     return {
         "args": args,
         "num_gpus": num_gpus,
         "ingress": ingress,
         "ingress_replicas": ingress_replicas,
         "replica_ready_s": ready_s,
+        "serve_run_s": run_s,
         "url": f"http://127.0.0.1:{port}",
     }
+
+
+def _deploy(serve, app, started: float, poll_s: float = 0.05) -> tuple[float, float]:
+    """Deploy `app`; returns the seconds from `started` until Serve reported it RUNNING and until
+    `serve.run` returned. `serve.run` checks the application's status once a second (Ray Serve's
+    CLIENT_POLLING_INTERVAL_S), so it returns up to a second after the replicas are ready; the status is
+    polled here every `poll_s` too, so the ready time is the replicas', not that poll's."""
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(serve.run, app, name=APP_NAME, route_prefix="/")
+        ready_at = None
+        while not running.done():
+            status = serve.status().applications.get(APP_NAME)
+            if ready_at is None and status is not None and status.status == "RUNNING":
+                ready_at = time.perf_counter()
+            time.sleep(poll_s)
+        running.result()  # a deployment that failed raises here
+    returned_at = time.perf_counter()
+    return (ready_at or returned_at) - started, returned_at - started
 
 
 def stop() -> None:

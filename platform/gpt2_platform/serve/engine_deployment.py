@@ -29,7 +29,7 @@ from gpt2_platform.engine.requests import Event, GenerationParams
 from gpt2_platform.monitoring import exporter
 from gpt2_platform.serve.autoscaling import ENGINE_SEQUENCES
 from gpt2_platform.serve.metrics import ServeMetrics
-from gpt2_platform.worker_process import process_age_s
+from gpt2_platform.worker_process import configure_worker_logging, process_age_s
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class GPT2Engine:
         gpu_monitor: bool | None = None,
     ) -> None:
         age, started = process_age_s(), time.perf_counter()
+        configure_worker_logging()  # Serve sets up its own loggers only: our start-up lines would be lost
         self.config, self.model_name = config, model_name
         # start() warms every batch and span shape (and captures the CUDA graphs) before it returns, so
         # the replica reports healthy only once it serves at full speed.
