@@ -167,6 +167,7 @@ def test_sampler_without_psutil_reports_no_data():
             "ray:GPT2Engine",
             "gpt2-engine",
         ),
+        ("python", ["/venv/bin/python", "-c", "import sys\n...", "5", "gpt2-engine"], "ray:GPT2Engine", "gpt2-engine"),
         ("python", ["python", "-c", "from multiprocessing.resource_tracker import main;main(9)"], None, None),
         ("haproxy", ["/usr/sbin/haproxy", "-f", "/tmp/x.cfg"], None, "haproxy"),
         ("raylet", ["/venv/lib/ray/core/src/ray/raylet/raylet", "--node_id=1"], None, "raylet"),

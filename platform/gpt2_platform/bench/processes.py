@@ -84,7 +84,7 @@ def role_of(name: str, cmdline: list[str] | tuple[str, ...], parent_role: str | 
     """
     joined = " ".join(cmdline)
     first = joined.split()[0] if joined.split() else ""
-    if "gpt2-engine" in (name, first):  # an engine child that titles itself
+    if "gpt2-engine" in (name, first) or list(cmdline[-1:]) == ["gpt2-engine"]:  # engine/process.py's child
         return "gpt2-engine"
     if first.startswith("ray::"):
         title = first[len("ray::") :].split(".")[0]

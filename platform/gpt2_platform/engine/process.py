@@ -415,6 +415,9 @@ class _Outlets:
             return sum(len(outlet.engine_ids) for outlet in self._by_address.values() if not outlet.closed)
 
 
+ENGINE_PROCESS_NAME = "gpt2-engine"
+"""The engine process's last command-line argument: what tells it apart from other Python processes."""
+
 # The child's first lines, before it can import anything of ours: the parent's import path comes over the
 # connection first, as multiprocessing's spawn would pass it.
 _CHILD_ENTRY = (
@@ -438,7 +441,8 @@ def _start_child(spec: EngineSpec) -> tuple[subprocess.Popen, Connection]:
     parent_end, child_end = socket.socketpair()
     try:
         process = subprocess.Popen(
-            [sys.executable, "-c", _CHILD_ENTRY, str(child_end.fileno())],
+            # The last argument names the process for whoever reads command lines (bench/processes.py).
+            [sys.executable, "-c", _CHILD_ENTRY, str(child_end.fileno()), ENGINE_PROCESS_NAME],
             pass_fds=(child_end.fileno(),),
             stdin=subprocess.DEVNULL,
         )
