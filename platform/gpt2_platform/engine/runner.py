@@ -655,8 +655,10 @@ class ModelRunner:
         """`step` captured as a CUDA graph, and the tensor it returns (filled by every replay).
 
         `step` runs once first, outside the graph: that loads its kernels and sizes cuBLAS's workspace,
-        which a capture cannot do. (It ran twice, as torch's examples do; the eager runs were most of a
-        replica's warm-up, and the GPU tests compare the graphs with the eager model.) `keep` are tensors
+        which a capture cannot do. (It ran twice, as torch's examples do. The eager runs are most of a
+        replica's warm-up, but it is each kernel's first use that costs, so dropping the second run saved
+        little: docs/benchmarks.md, a Serve replica's start. The GPU tests compare the graphs with the
+        eager model.) `keep` are tensors
         it changes that must hold, after the capture, what they held before (a graph captured on first
         use, mid-sequence). All graphs
         share one memory pool: each output is read (copied to the host) right after its replay, before
