@@ -86,6 +86,7 @@ class EngineProcess:
         self.config = config
         self.max_seq_len: int | None = None  # known once the child has built its engine
         self.vocab_size: int | None = None
+        self.child_imported_transformers: bool | None = None  # whether the child needed the tokenizer itself
         self._ids = itertools.count(1)
         # Requests submitted and not yet finished, and those of them that have had an event (so are
         # in a slot); the lock keeps a cancel from slipping between a request's events.
@@ -119,7 +120,7 @@ class EngineProcess:
             self._conn.close()
             raise
         self.max_seq_len, self.vocab_size = info["max_seq_len"], info["vocab_size"]
-        self.child_imported_transformers: bool = info["transformers_imported"]
+        self.child_imported_transformers = info["transformers_imported"]
         self._stats = info["stats"]
         self._reader = threading.Thread(target=self._read, name="gpt2-engine-reader", daemon=True)
         self._reader.start()
@@ -453,7 +454,7 @@ def _start_child(spec: EngineSpec) -> tuple[subprocess.Popen, Connection]:
         child_end.close()  # the child has its own copy: EOF on the parent's end means the child is gone
     conn = Connection(parent_end.detach())
     try:
-        conn.send([entry for entry in sys.path])
+        conn.send(list(sys.path))
         conn.send((os.getpid(), spec))
     except OSError:
         pass  # the child died at once: waiting for it to be ready says how
