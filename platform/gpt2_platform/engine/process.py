@@ -474,6 +474,11 @@ def _child_entry(conn: Connection) -> None:
     """The child's main: the rest of what the parent sent, then the engine."""
     parent_pid, spec = conn.recv()
     _child_main(conn, parent_pid, spec)
+    # No interpreter shutdown, as multiprocessing's children have none: tearing down torch, Triton and
+    # CUDA only costs time, and Triton's bindings print leak reports into the replica's log.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
