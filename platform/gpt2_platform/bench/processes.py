@@ -18,6 +18,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpt2_platform.engine.process import ENGINE_PROCESS_NAME
+
 logger = logging.getLogger(__name__)
 
 # Binaries whose own name is their role.
@@ -84,7 +86,7 @@ def role_of(name: str, cmdline: list[str] | tuple[str, ...], parent_role: str | 
     """
     joined = " ".join(cmdline)
     first = joined.split()[0] if joined.split() else ""
-    if "gpt2-engine" in (name, first) or list(cmdline[-1:]) == ["gpt2-engine"]:  # engine/process.py's child
+    if ENGINE_PROCESS_NAME in (name, first) or list(cmdline[-1:]) == [ENGINE_PROCESS_NAME]:  # engine/process.py's
         return "gpt2-engine"
     if first.startswith("ray::"):
         title = first[len("ray::") :].split(".")[0]
@@ -97,7 +99,8 @@ def role_of(name: str, cmdline: list[str] | tuple[str, ...], parent_role: str | 
         return "torch compile worker"
     if "multiprocessing.spawn" in joined or "--multiprocessing-fork" in cmdline:
         if parent_role is not None and parent_role.startswith("ray:"):
-            # The only process a Serve replica spawns is its engine (engine/process.py names it gpt2-engine).
+            # A replica of an earlier version of this project (bench_serve.py --url measures any server)
+            # spawned its engine with multiprocessing, and nothing else.
             return "gpt2-engine"
         return f"{parent_role or 'python'} child"
     if name in _NAMED_BINARIES:

@@ -64,16 +64,15 @@ class TableTokenizer:
     the process imports torch: the process never imports transformers, seconds of a replica's start.
     """
 
-    def __init__(self, table: ByteTable, eos_token_id: int | None, name: str) -> None:
+    def __init__(self, table: ByteTable, eos_token_id: int | None) -> None:
         self.table = table
         self.eos_token_id = eos_token_id
-        self.name = name
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase) -> TableTokenizer | None:
         """None unless `tokenizer` is plain byte-level BPE (then the engine needs the tokenizer itself)."""
         table = ByteTable.of(tokenizer)
-        return None if table is None else cls(table, tokenizer.eos_token_id, type(tokenizer).__name__)
+        return None if table is None else cls(table, tokenizer.eos_token_id)
 
     def __len__(self) -> int:
         return len(self.table.token_bytes)

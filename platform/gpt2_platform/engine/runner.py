@@ -658,11 +658,10 @@ class ModelRunner:
         which a capture cannot do. (It ran twice, as torch's examples do. The eager runs are most of a
         replica's warm-up, but it is each kernel's first use that costs, so dropping the second run saved
         little: docs/benchmarks.md, a Serve replica's start. The GPU tests compare the graphs with the
-        eager model.) `keep` are tensors
-        it changes that must hold, after the capture, what they held before (a graph captured on first
-        use, mid-sequence). All graphs
-        share one memory pool: each output is read (copied to the host) right after its replay, before
-        any other graph runs on the stream and may reuse that memory.
+        eager model.) `keep` are tensors it changes that must hold, after the capture, what they held
+        before (a graph captured on first use, mid-sequence). All graphs share one memory pool: each
+        output is read (copied to the host) right after its replay, before any other graph runs on the
+        stream and may reuse that memory.
         """
         marks = [time.perf_counter()]
         torch.cuda.synchronize(self.device)  # the steps in flight: timed apart from the capture's own work
