@@ -213,17 +213,35 @@ def test_a_bad_request_is_refused_in_the_parent(engine_process, monkeypatch):
     assert sent == [] and engine_process.stats()["running"] == 0
 
 
+def test_the_process_is_titled_as_the_engine_of_its_model(engine_process, model_dir):
+    """`ps` shows what it is, not `python -c import sys ...` (bench/processes.py reads the first word)."""
+    words = Path(f"/proc/{engine_process.pid}/cmdline").read_bytes().split(b"\0")
+    assert [word.decode() for word in words if word] == [f"gpt2-engine {model_dir}"]
+
+
 def test_a_killed_child_fails_pending_requests_and_health(model_dir):
-    engine = EngineProcess(str(model_dir), str(model_dir), EngineConfig(max_batch_size=2, dtype="fp32"), warmup=False)
+    exits: list[tuple[float, str]] = []
+    engine = EngineProcess(
+        str(model_dir),
+        str(model_dir),
+        EngineConfig(max_batch_size=2, dtype="fp32"),
+        warmup=False,
+        on_exit=lambda why: exits.append((time.monotonic(), why)),
+    )
     engine.start()
     try:
         recorder = Recorder()
         ids = [engine.submit(list(b"keep going"), greedy(240), recorder) for _ in range(4)]
         assert wait_until(lambda: recorder.events, timeout_s=30), "no event before the kill"
+        killed = time.monotonic()
         os.kill(engine.pid, signal.SIGKILL)
         recorder.wait(len(ids), timeout_s=10)
         last = [recorder.events[i][-1] for i in ids]
         assert all(e.finish_reason == "error" and "exit code -9" in e.error for e in last), last
+        # The owner hears once, at once (the pipe's EOF), after the pending requests had their errors.
+        assert wait_until(lambda: exits, timeout_s=5)
+        [(heard, why)] = exits
+        assert heard - killed < 2 and "exit code -9" in why
         with pytest.raises(EngineDeadError, match="exit code -9"):
             engine.check_health()
         with pytest.raises(EngineDeadError):
@@ -233,11 +251,13 @@ def test_a_killed_child_fails_pending_requests_and_health(model_dir):
 
 
 def test_shutdown_stops_the_child_and_a_bad_model_is_a_start_error(model_dir, tmp_path, capfd):
-    engine = EngineProcess(str(model_dir), str(model_dir), CONFIG, warmup=False).start()
+    exits: list[str] = []
+    engine = EngineProcess(str(model_dir), str(model_dir), CONFIG, warmup=False, on_exit=exits.append).start()
     pid = engine.pid
     engine.check_health()
     engine.shutdown()
     assert not pid_alive(pid)
+    assert exits == []  # asked to stop: not an exit its owner must act on
     # It exits at once and cleanly, without an interpreter shutdown's leak reports (Triton's bindings
     # printed dozens of lines into the replica's log).
     assert engine._process.returncode == 0

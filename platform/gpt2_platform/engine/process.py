@@ -9,7 +9,9 @@ parent hands each message to the `deliver_in_batches` function in one call, so a
 still wakes its event loop once per step.
 
 The child exits when its parent does (the pipe closes, or its parent pid changes), and
-if it dies, every pending request finishes with an error event and `check_health` raises.
+if it dies, every pending request finishes with an error event and `check_health` raises; the
+parent hears of it at once (the pipe's EOF), so an owner that passed `on_exit` can act then (a Serve
+replica exits, to be replaced, rather than wait for its health checks to fail).
 """
 
 from __future__ import annotations
@@ -81,8 +83,12 @@ class EngineProcess:
         config: EngineConfig,
         warmup: bool = True,
         modes: tuple[str, ...] = SAMPLING_MODES,
+        on_exit: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_exit(why)`: called once, on the reader thread, when the child exits or its engine fails
+        after start (never for `shutdown`), once the pending requests have had their error events."""
         self.spec = EngineSpec(model, tokenizer, config, warmup, tuple(modes))
+        self._on_exit = on_exit
         self.config = config
         self.max_seq_len: int | None = None  # known once the child has built its engine
         self.vocab_size: int | None = None
@@ -307,6 +313,8 @@ class EngineProcess:
         self._error = self._error or f"engine process exited unexpectedly (exit code {self._process.returncode})"
         logger.error("%s; failing %d pending requests", self._error, len(self._pending))
         self._fail_pending(f"engine failed: {self._error}")
+        if self._on_exit is not None:
+            self._on_exit(self._error)
 
     def _dispatch(self, packed: list[tuple]) -> None:
         batch: list[tuple[Callable[[Event], None], Event]] = []
@@ -417,7 +425,8 @@ class _Outlets:
 
 
 ENGINE_PROCESS_NAME = "gpt2-engine"
-"""The engine process's last command-line argument: what tells it apart from other Python processes."""
+"""The engine process's last command-line argument, and the first word of its title: what tells it apart
+from other Python processes."""
 
 # The child's first lines, before it can import anything of ours: the parent's import path comes over the
 # connection first, as multiprocessing's spawn would pass it.
@@ -473,12 +482,22 @@ def _wait(process: subprocess.Popen, timeout_s: float) -> bool:
 def _child_entry(conn: Connection) -> None:
     """The child's main: the rest of what the parent sent, then the engine."""
     parent_pid, spec = conn.recv()
+    _set_title(spec)
     _child_main(conn, parent_pid, spec)
     # No interpreter shutdown, as multiprocessing's children have none: tearing down torch, Triton and
     # CUDA only costs time, and Triton's bindings print leak reports into the replica's log.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _set_title(spec: EngineSpec) -> None:
+    """Show the process in `ps` and `top` as the engine of its model, not as `python -c <the entry code>`."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:  # optional: the command line still ends in ENGINE_PROCESS_NAME
+        return
+    setproctitle(f"{ENGINE_PROCESS_NAME} {spec.model}")
 
 
 def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
