@@ -2,8 +2,15 @@
 
     serve run deployments/gpt2.yaml &                         # or any URL serving /v1/completions
     python jobs/bench_serve.py --url http://127.0.0.1:8000 --concurrency 1 4 16 64 --json-out serve.json
-    python jobs/bench_serve.py --start-preset gpt2 --concurrency 1 16 64 256 --mode both --json-out serve.json
+    python jobs/bench_serve.py --config deployments/gpt2-cluster.yaml --model runs/x/model --concurrency 1 256
+    python jobs/bench_serve.py --start-preset gpt2 --concurrency 1 64 256 512 1024 --mode both --json-out serve.json
     python jobs/bench_serve.py --plot-from serve.json --plot-out serve.png   # draw the chart later
+
+--config deploys a Serve config file as it ships, through Serve's own config path, with only its model
+swapped (--model, or --start-preset's fresh weights) and HTTP on 127.0.0.1: what is measured is what users
+deploy. --start-preset without --config deploys deployments/gpt2-cluster.yaml on a GPU machine and
+deployments/gpt2.yaml on a CPU. The cluster's ingress (--ingress, HAProxy by default, as cluster.yaml
+and the KubeRay manifests start Ray) is set in Ray's environment before it starts.
 
 Each level keeps `concurrency` requests in flight until `--requests` have finished
 (gpt2_platform.bench.load says how they are built and timed, load_report how they are
@@ -12,9 +19,9 @@ generated tokens/s, time to first
 token p50/p99 (streaming: the first chunk; non-streaming: the whole request), latency
 p50/p99, time per output token after the first, failures (429s included), and which
 processes on the machine used the CPU. With --start-preset the engine is first run alone
-on the same model and shapes at batch size = each concurrency (in a child process, so its
-GPU memory is free again before Serve starts), and each level shows HTTP / engine tokens/s.
-Against --url it needs only httpx; --start-preset needs the package and Ray.
+on the same model and shapes at batch size = each concurrency, up to the config's engine batch (in a
+child process, so its GPU memory is free again before Serve starts), and each level shows HTTP / engine
+tokens/s. Against --url it needs only aiohttp; --config and --start-preset need the package and Ray.
 """
 
 from __future__ import annotations
@@ -36,24 +43,21 @@ from gpt2_platform.jobs_common import configure_logging  # noqa: E402
 logger = logging.getLogger("bench_serve")
 
 
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIGS = {True: REPO / "deployments" / "gpt2-cluster.yaml", False: REPO / "deployments" / "gpt2.yaml"}
+"""--start-preset's config without --config: the shipped GPU deployment where there is a GPU."""
+
+
 def start_app(args: argparse.Namespace) -> dict:
     from gpt2_platform.bench import serve_app
+    from gpt2_platform.bench.models import write_model
 
     port = urllib.parse.urlsplit(args.url).port or 8000
-    model_dir = Path("runs") / f"bench-serve-{args.start_preset}"
-    max_seq_len = args.prompt_tokens + args.max_tokens
-    return serve_app.start(
-        args.start_preset,
-        model_dir,
-        port,
-        args.max_batch_size,
-        max_seq_len,
-        args.compile,
-        stream_interval_ms=args.stream_interval_ms,
-        ingress_replicas=args.ingress_replicas,
-        ingress=args.ingress,
-        compile_cache_dir=args.compile_cache_dir,
-    )
+    model_dir = args.model
+    if args.start_preset:
+        model_dir = Path("runs") / f"bench-serve-{args.start_preset}"
+        write_model(model_dir, args.start_preset)
+    return serve_app.deploy_config(args.config, model_dir, port, args.ingress)
 
 
 def print_level(level: load.LevelResult) -> None:
@@ -92,32 +96,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--plot-from", type=Path, help="draw --plot-out from a report this script wrote, and run nothing else"
     )
-    started = parser.add_argument_group("a local app started by this script (fresh weights, byte tokenizer)")
-    started.add_argument("--start-preset", help="e.g. gpt2: deploy this preset first, on a GPU if there is one")
-    started.add_argument("--max-batch-size", type=int, default=256)
+    started = parser.add_argument_group("a local app deployed by this script from a shipped config")
+    started.add_argument("--config", type=Path, help="a Serve config file (deployments/*.yaml), deployed as it is")
+    started.add_argument("--model", type=Path, help="the model directory to serve in place of the config's")
     started.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="torch.compile the engine's decode step (default: the engine's own, engine.default_compile)",
-    )
-    started.add_argument(
-        "--stream-interval-ms", type=float, default=20.0, help="limits.stream_interval_ms (0: every token)"
-    )
-    started.add_argument(
-        "--ingress-replicas", type=int, default=1, help="GPT2Server (HTTP) replicas in front of the one engine"
+        "--start-preset", help="serve this preset with fresh weights and the byte tokenizer (e.g. gpt2)"
     )
     started.add_argument(
         "--ingress",
-        choices=["proxy", "direct", "haproxy"],
-        default="proxy",
-        help="how HTTP reaches the ingress replicas: Serve's Python proxy (default), direct ingress (one "
-        "replica serves the port), or HAProxy balancing every replica (RAY_SERVE_ENABLE_HA_PROXY)",
-    )
-    started.add_argument(
-        "--compile-cache-dir",
-        help="engine.compile_cache_dir: keep Triton's and torch.compile's caches here (a cold start with this "
-        "directory carried over from another machine finds its kernels compiled)",
+        choices=["haproxy", "proxy", "direct"],
+        default="haproxy",
+        help="how HTTP reaches the ingress replicas, set in Ray's environment before it starts: HAProxy "
+        "balancing every replica (the default, as cluster.yaml and KubeRay start Ray), Serve's Python proxy, "
+        "or direct ingress (one replica serves the port)",
     )
     started.add_argument(
         "--engine-baseline",
@@ -126,6 +117,18 @@ def parse_args() -> argparse.Namespace:
         help="first run the engine alone at batch size = each concurrency (--no-engine-baseline skips it)",
     )
     args = parser.parse_args()
+    if args.model and args.start_preset:
+        parser.error("--model and --start-preset both name the model: give one")
+    if args.config is None and args.start_preset:
+        import torch
+
+        args.config = DEFAULT_CONFIGS[torch.cuda.is_available()]
+    if args.config is not None and not args.config.is_file():
+        parser.error(f"--config {args.config}: no such file (a Serve config such as deployments/gpt2.yaml)")
+    if args.config is not None and not (args.model or args.start_preset):
+        parser.error("--config needs the model to serve: --model DIR or --start-preset NAME")
+    if (args.model or args.start_preset) and args.config is None:
+        parser.error("--model needs --config (the Serve config file to deploy it with)")
     if args.plot_from and not args.plot_out:
         args.plot_out = args.plot_from.with_suffix(".png")
     if args.plot_out is None and args.json_out is not None:
@@ -140,7 +143,31 @@ def main() -> int:
     if args.plot_from:
         write_plot(json.loads(args.plot_from.read_text()), args.plot_out, args.plot_from)
         return 0
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    modes = list(load.MODES) if args.mode == "both" else [args.mode]
+    baseline, app, api_key = None, None, args.api_key
+    if args.start_preset and args.engine_baseline:
+        from gpt2_platform.bench import serve_app
+
+        engine = serve_app.config_engine(args.config)
+        baseline = load.engine_baseline(
+            args.start_preset,
+            args.concurrency,
+            args.prompt_tokens,
+            args.max_tokens,
+            engine.get("max_batch_size", 32),
+            engine.get("compile"),
+            args.temperature,
+        )
+        print(f"engine alone: {[(r['batch_size'], round(r['tokens_per_s'])) for r in baseline['rows']]} tokens/s")
+    if args.config:
+        app = start_app(args)
+        api_key = app.pop("api_key") or api_key
+        print(
+            f"{args.config} deployed ({app['ingress']} ingress) and running in {app['replica_ready_s']:.1f} s "
+            f"on {app['num_gpus']:g} GPU(s)",
+            flush=True,
+        )
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     settings = load.LoadSettings(
         url=args.url,
         prompt_tokens=args.prompt_tokens,
@@ -151,26 +178,6 @@ def main() -> int:
         num_requests=args.requests,
         client_processes=args.client_processes,
     )
-    modes = list(load.MODES) if args.mode == "both" else [args.mode]
-    baseline, app = None, None
-    if args.start_preset and args.engine_baseline:
-        baseline = load.engine_baseline(
-            args.start_preset,
-            args.concurrency,
-            args.prompt_tokens,
-            args.max_tokens,
-            args.max_batch_size,
-            args.compile,
-            args.temperature,
-        )
-        print(f"engine alone: {[(r['batch_size'], round(r['tokens_per_s'])) for r in baseline['rows']]} tokens/s")
-    if args.start_preset:
-        app = start_app(args)
-        print(
-            f"replica ready in {app['replica_ready_s']:.1f} s on {app['num_gpus']} GPU(s) (Serve's status RUNNING; "
-            f"serve.run, which looks once a second, returned at {app['serve_run_s']:.1f} s)",
-            flush=True,
-        )
     try:
         model = load.discover_model(settings)
         print("\n".join(load_report.markdown_header(with_engine=False)), file=sys.stderr, flush=True)

@@ -1,27 +1,28 @@
-"""Start the Serve app for a benchmark: a preset with fresh weights on the local Ray, configured as the YAML does.
+"""Start the Serve app for a benchmark on the local Ray: a deployment config as it ships, only the model swapped.
 
-Lets `jobs/bench_serve.py --start-preset gpt2` measure a GPU replica in one command,
-with nothing to download (the byte tokenizer; the engine samples only ids it can decode).
+`deploy_config` is what `jobs/bench_serve.py --config deployments/gpt2-cluster.yaml` and `--start-preset`
+run: the file goes through Serve's own config path (`serve run config.yaml`, `serve deploy`), so every
+setting a user deploys (engine batch, limits, ingress replicas and autoscaling, proxy location) is the one
+measured, and no benchmark flag can give a speed the shipped config does not. A preset with fresh weights
+and the byte tokenizer needs nothing downloaded (the engine samples only ids it can decode).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-
-from gpt2_platform.bench.models import write_model
 
 logger = logging.getLogger(__name__)
 
 APP_NAME = "gpt2-bench"
 
 
-# How HTTP reaches the ingress replicas: Serve's Python proxy actor (the default), direct ingress (the
-# one ingress replica listens on the Serve port itself), or HAProxy (a C proxy balancing every ingress
-# replica, each listening on a port of its own). Serve reads these when it starts.
+# How HTTP reaches the ingress replicas: Serve's Python proxy actor, direct ingress (the one ingress replica
+# listens on the Serve port itself), or HAProxy (a C proxy balancing every ingress replica, each listening on
+# a port of its own). Serve reads these when it starts, from the environment `ray start` had: they belong to
+# the cluster, not to the deployment file (cluster.yaml and the KubeRay manifests set HAProxy's).
 INGRESS_MODES = {
     "proxy": {},
     "direct": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"},
@@ -29,101 +30,89 @@ INGRESS_MODES = {
 }
 
 
-def start(
-    preset_name: str,
+def config_engine(config_path: Path) -> dict[str, Any]:
+    """The `engine:` settings of the config file's one application (for the engine-alone baseline)."""
+    import yaml
+
+    config = yaml.safe_load(Path(config_path).read_text())
+    return dict(config["applications"][0].get("args", {}).get("engine") or {})
+
+
+def deploy_config(
+    config_path: Path,
     model_dir: Path,
     port: int,
-    max_batch_size: int,
-    max_seq_len: int,
-    compile_step: bool | None = None,
+    ingress: str = "haproxy",
     gpu_monitor: bool | None = None,
-    stream_interval_ms: float = 20.0,
-    ingress_replicas: int = 1,
-    ingress: str = "proxy",
-    compile_cache_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Write the model, start Serve on `port` and deploy `ingress_replicas` ingress replicas in front of
-    one engine (on the GPU if there is one); returns what was deployed."""
+    """Deploy the Serve config file at `config_path` on a local Ray, as `serve run` would, with its one
+    application's model swapped for `model_dir` (tokenizer: the model's own) and HTTP on 127.0.0.1:`port`.
+
+    Where the config names `api_key_env`, that variable is set (to a random key, if unset) before Ray
+    starts, as a cluster's nodes have it; the key is returned for the client. Raises ValueError for a file
+    that is not one gpt2_platform application."""
     import os
+    import secrets
 
     import ray
-    import torch
+    import yaml
     from ray import serve
+    from ray.serve._private import api as serve_api
+    from ray.serve.schema import ServeDeploySchema
 
     from gpt2_platform.monitoring import exporter
     from gpt2_platform.runtime import init_ray
-    from gpt2_platform.serve.app import gpt2_deployment
 
     if ingress not in INGRESS_MODES:
         raise ValueError(f"ingress must be one of {sorted(INGRESS_MODES)}, got {ingress!r}")
-    if ingress == "direct" and ingress_replicas != 1:
-        raise ValueError("direct ingress serves the port from one ingress replica; use haproxy for several")
+    config = yaml.safe_load(Path(config_path).read_text())
+    apps = config.get("applications") if isinstance(config, dict) else None
+    if not apps or len(apps) != 1 or not str(apps[0].get("import_path", "")).startswith("gpt2_platform.serve"):
+        raise ValueError(f"{config_path}: expected a Serve config with one gpt2_platform application")
+    app = apps[0]
+    app["args"] = {**app.get("args", {}), "model": str(model_dir), "tokenizer": None}
+    config["http_options"] = {**config.get("http_options", {}), "host": "127.0.0.1", "port": port}
+    schema = ServeDeploySchema.model_validate(config)
+    api_key = None
+    if key_env := app["args"].get("api_key_env"):
+        api_key = os.environ.setdefault(key_env, secrets.token_urlsafe(24))
     os.environ.update(INGRESS_MODES[ingress])  # before Ray starts: its processes inherit this environment
-    torch.manual_seed(0)
-    write_model(model_dir, preset_name)
     init_ray()
     exporter.start_if_wanted(gpu_monitor)
-    num_gpus = 1 if ray.cluster_resources().get("GPU") else 0
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = {
-        "model": str(model_dir),
-        "served_model_name": preset_name,
-        "engine": {
-            "max_batch_size": max_batch_size,
-            "max_seq_len": max_seq_len,
-            "compile": compile_step,
-            "compile_cache_dir": compile_cache_dir,
-        },
-        # Room for the whole sweep: a benchmark measures the engine, not the admission limits.
-        "limits": {
-            "max_waiting": 4 * max_batch_size,
-            "max_tokens_cap": max_seq_len,
-            "stream_interval_ms": stream_interval_ms,
-        },
-    }
     started = time.perf_counter()
-    app = gpt2_deployment(
-        args,
-        engine_options={"ray_actor_options": {"num_gpus": num_gpus, "num_cpus": 1}},
-        num_replicas=ingress_replicas,
-        max_ongoing_requests=8 * max_batch_size,
-        ray_actor_options={"num_cpus": 1},
+    client = serve_api.serve_start(
+        http_options=schema.http_options.model_dump(),
+        proxy_location=schema.proxy_location,
+        grpc_options=None,
+        controller_options=schema.controller_options,
     )
-    ready_s, run_s = _deploy(serve, app, started)
-    logger.info(
-        "app ready in %.1f s, serve.run returned at %.1f s (%d ingress replicas, engine on %d GPU)",
-        ready_s,
-        run_s,
-        ingress_replicas,
-        num_gpus,
-    )
+    client.deploy_apps(schema)
+    ready_s = _wait_running(serve, app.get("name", "default"), started)
+    logger.info("%s deployed with model %s in %.1f s (%s ingress)", config_path, model_dir, ready_s, ingress)
     return {
-        "args": args,
-        "num_gpus": num_gpus,
+        "config": str(config_path),
+        "args": app["args"],
+        "deployments": app.get("deployments", []),
+        "num_gpus": ray.cluster_resources().get("GPU", 0),
         "ingress": ingress,
-        "ingress_replicas": ingress_replicas,
         "replica_ready_s": ready_s,
-        "serve_run_s": run_s,
         "url": f"http://127.0.0.1:{port}",
+        "api_key": api_key,
     }
 
 
-def _deploy(serve, app, started: float, poll_s: float = 0.05) -> tuple[float, float]:
-    """Deploy `app`; returns the seconds from `started` until Serve reported it RUNNING and until
-    `serve.run` returned. `serve.run` checks the application's status once a second (Ray Serve's
-    CLIENT_POLLING_INTERVAL_S), so it returns up to a second after the replicas are ready; the status is
-    polled here every `poll_s` too, so the ready time is the replicas', not that poll's."""
-    with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(serve.run, app, name=APP_NAME, route_prefix="/")
-        ready_at = None
-        while not running.done():
-            status = serve.status().applications.get(APP_NAME)
-            if ready_at is None and status is not None and status.status == "RUNNING":
-                ready_at = time.perf_counter()
-            time.sleep(poll_s)
-        running.result()  # a deployment that failed raises here
-    returned_at = time.perf_counter()
-    return (ready_at or returned_at) - started, returned_at - started
+def _wait_running(serve, name: str, started: float, timeout_s: float = 900, poll_s: float = 0.05) -> float:
+    """Seconds from `started` until Serve reports application `name` RUNNING; ValueError with Serve's own
+    message if it failed to deploy, TimeoutError past `timeout_s`."""
+    deadline = started + timeout_s
+    while time.perf_counter() < deadline:
+        status = serve.status().applications.get(name)
+        if status is not None and status.status == "RUNNING":
+            return time.perf_counter() - started
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise ValueError(f"application {name} failed to deploy: {status.message}")
+        time.sleep(poll_s)
+    raise TimeoutError(f"application {name} was not running within {timeout_s:.0f} s")
 
 
 def stop() -> None:
