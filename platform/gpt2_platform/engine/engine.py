@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from gpt2_platform.engine import kernels
+from gpt2_platform.engine.admission import Admission, DrainRate, Refusal, decide
 from gpt2_platform.engine.detokenize import ByteTable, TableTokenizer
 from gpt2_platform.engine.output import TextOutput
 from gpt2_platform.engine.requests import (
@@ -203,6 +204,7 @@ class Engine:
         self.first_token_s = 0.0
         self.num_first_tokens = 0
         self.idle_s = 0.0  # the loop waiting with nothing queued or running: work did not come fast enough
+        self.drain = DrainRate()  # how fast waiting sequences start: what admission promises a wait from
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, warmup: bool = True, modes: tuple[str, ...] = SAMPLING_MODES, warm_prefills: bool = True) -> Engine:
@@ -382,7 +384,13 @@ class Engine:
             "captures_on_use": self.runner.captures_on_use,
             "capture_on_use_s": self.runner.capture_on_use_s,
             "batch_sizes": dict(sorted(self.batch_sizes.items())),
+            "drain_per_s": self.drain.per_s(),
         }
+
+    def refusal(self, admission: Admission, size: int = 1) -> Refusal | None:
+        """None if `size` more sequences may join now under `admission` (engine/admission.py), else why not."""
+        running = int(np.count_nonzero(self._occupant))
+        return decide(running, len(self._waiting), len(self._slots), self.drain.per_s(), admission, size)
 
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -463,6 +471,7 @@ class Engine:
                 slot = next(free, None)
         if not admitted:
             return None
+        self.drain.record(len(admitted))
         now = time.perf_counter()
         for sequence in admitted:
             s, slot = sequence.params.sampling, sequence.slot
