@@ -12,7 +12,16 @@ from pydantic import ValidationError
 from gpt2_platform.batch import config as batch_config
 from gpt2_platform.batch.rows import resolve_values
 from gpt2_platform.config_loader import ConfigError
-from gpt2_platform.engine.config import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, EngineConfig
+from gpt2_platform.engine.config import (
+    AUTO_CPU_BATCH_SIZE,
+    AUTO_MAX_BATCH_SIZE,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    WORKSPACE_BYTES,
+    EngineConfig,
+    auto_batch_size,
+)
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.serve import errors
 from gpt2_platform.serve.schemas import AppArgs, CompletionRequest, GenerateRequest
@@ -21,6 +30,9 @@ from gpt2_platform.serve.schemas import AppArgs, CompletionRequest, GenerateRequ
 BATCH_PATHS = ["input.paths=[p.parquet]", "output.path=out", "model.path=model"]
 BAD_ENGINE_VALUES = [
     ("max_batch_size", 0),
+    ("max_batch_size", "most"),
+    ("gpu_memory_share", 0.0),
+    ("gpu_memory_share", 1.5),
     ("max_seq_len", 1),
     ("dtype", "fp8"),
     ("decode_kernels", "cuda"),
@@ -144,3 +156,49 @@ def test_top_k_2_to_the_31_is_a_400_naming_top_k_and_a_batch_config_error():
     assert (error.status_code, error.param) == (400, "top_k")
     with pytest.raises(ConfigError, match="generation.top_k"):
         load_batch(f"generation.top_k={2**31}")
+
+
+GIB = 2**30
+
+
+def test_auto_batch_size_fills_the_share_after_weights_and_workspace():
+    # 24 GiB card, 1 GiB held by another process, 3 GiB of weights to come, 300 MiB a sequence.
+    per_slot = 300 * 2**20
+    slots, why = auto_batch_size(True, 24 * GIB, 23 * GIB, 3 * GIB, per_slot, share=0.9)
+    assert slots == int((0.9 * 24 * GIB - 1 * GIB - 3 * GIB - WORKSPACE_BYTES) // per_slot) == 56
+    assert why.startswith("auto: 56 fit (0.9 of 24.0 GiB") and "300.0 MiB" in why
+    # A smaller share leaves room for another replica on the card.
+    assert auto_batch_size(True, 24 * GIB, 23 * GIB, 3 * GIB, per_slot, share=0.5)[0] < slots
+
+
+def test_auto_batch_size_is_capped_on_a_large_card_and_small_on_a_cpu():
+    slots, why = auto_batch_size(True, 140 * GIB, 139 * GIB, GIB // 4, 36 * 2**20, share=0.9)
+    assert slots == AUTO_MAX_BATCH_SIZE and f"capped at {AUTO_MAX_BATCH_SIZE}" in why
+    assert auto_batch_size(False, 0, 0, 0, 36 * 2**20, share=0.9)[0] == AUTO_CPU_BATCH_SIZE
+
+
+def test_auto_batch_size_refuses_when_not_one_sequence_fits():
+    with pytest.raises(ValueError, match="not one sequence fits .*lower engine.max_seq_len"):
+        auto_batch_size(True, 8 * GIB, 2 * GIB, 3 * GIB, 300 * 2**20, share=0.9)
+
+
+def test_auto_is_the_default_and_deployments_size_by_its_cap():
+    assert EngineConfig().max_batch_size == "auto"
+    assert EngineConfig().max_slots == AUTO_MAX_BATCH_SIZE
+    assert EngineConfig(max_batch_size=8).max_slots == 8
+    assert AppArgs.model_validate({"engine": {"max_batch_size": "auto"}}).engine.max_batch_size == "auto"
+    assert load_batch("engine.max_batch_size=auto").engine.max_batch_size == "auto"
+
+
+def test_an_engine_on_a_cpu_sizes_itself_and_says_so():
+    import torch
+
+    from gpt2_platform.engine.engine import Engine
+    from gpt2_platform.model import GPT2, preset
+    from gpt2_platform.tokenizer import byte_tokenizer
+
+    torch.manual_seed(0)
+    engine = Engine(GPT2(preset("tiny")), byte_tokenizer(), EngineConfig(max_seq_len=32, dtype="fp32"))
+    stats = engine.stats()
+    assert (stats["max_batch_size"], stats["max_batch_size_reason"]) == (AUTO_CPU_BATCH_SIZE, "auto on a CPU: 16")
+    assert len(engine._slots) == AUTO_CPU_BATCH_SIZE

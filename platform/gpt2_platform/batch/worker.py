@@ -211,7 +211,7 @@ class EngineWorker:
                     tokens / elapsed,
                     steps / elapsed,
                     tokens / max(steps, 1),
-                    self.spec.engine.max_batch_size,
+                    stats.get("max_batch_size", self.spec.engine.max_slots),
                     stats["finished"],
                     stats["waiting"],
                     100 * (stats["idle_s"] - before["idle_s"]) / elapsed,

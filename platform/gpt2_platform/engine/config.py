@@ -28,14 +28,31 @@ MAX_SEED = 2**63 - 1
 """Largest sampling seed: seeds live in int64 tensors."""
 MAX_LOGPROBS = 5
 """Most alternatives a token's log-probabilities come with: OpenAI's completions API allows 5."""
+AUTO_MAX_BATCH_SIZE = 256
+"""The most slots `max_batch_size: auto` takes on a GPU. Past it a served engine gains little: a decode
+step's time grows with the batch (it reads every live sequence's cache), so each stream's tokens come
+slower while the HTTP path in front of one engine, not the engine, bounds what clients get (the serving
+benchmark in docs/benchmarks.md measures both). A batch job that wants more sets a number."""
+AUTO_CPU_BATCH_SIZE = 16
+"""`max_batch_size: auto` on a CPU: a CPU's step grows with the batch about linearly, so a small batch
+keeps each step (and `make demo`) short."""
+WORKSPACE_BYTES = 1 << 30
+"""GPU memory `max_batch_size: auto` leaves beside the weights and the cache: CUDA graphs' pools, the
+sampler's and prefill's buffers, the allocator's slack."""
 SAMPLING_MODES = ("greedy", "plain", "filtered")
 """The decode graphs per shape: argmax only, sampling without top-k/top-p, and with them (runner._mode)."""
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch_size: int = 32
-    """Sequences decoded together (KV cache slots)."""
+    max_batch_size: int | Literal["auto"] = "auto"
+    """Sequences decoded together (KV cache slots). "auto": on a GPU, as many as fit in `gpu_memory_share`
+    of the card after the weights and a workspace, at most AUTO_MAX_BATCH_SIZE; on a CPU,
+    AUTO_CPU_BATCH_SIZE. The engine logs what it chose and why, and `/v1/engine/stats` shows it."""
+    gpu_memory_share: float = 0.9
+    """The share of the GPU's memory the engine may hold in all (weights, KV cache, workspace) when it sizes
+    its batch itself, as vLLM's gpu_memory_utilization: less leaves room for another replica or process
+    on the same card."""
     max_seq_len: int | None = None
     """Prompt plus generated tokens per sequence; None: the model's context."""
     dtype: Dtype = "auto"
@@ -73,9 +90,19 @@ class EngineConfig:
     the thread waiting for the GIL gets it only after the interval, 5 ms by Python's default, which is
     longer than a decode step: the device idles. None: leave the process's interval as it is."""
 
+    @property
+    def max_slots(self) -> int:
+        """The most slots an engine of this config may take: the number set, or auto's cap. What a
+        deployment sizes its queues and call limits by before any engine has sized itself."""
+        return AUTO_MAX_BATCH_SIZE if self.max_batch_size == "auto" else self.max_batch_size
+
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"engine.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_batch_size != "auto" and (
+            isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1
+        ):
+            raise ValueError(f"engine.max_batch_size must be auto or an integer >= 1, got {self.max_batch_size!r}")
+        if not 0.05 <= self.gpu_memory_share <= 1.0:
+            raise ValueError(f"engine.gpu_memory_share must be in [0.05, 1], got {self.gpu_memory_share}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"engine.max_seq_len must be >= 2 or null (the model's context), got {self.max_seq_len}")
         if self.dtype not in ("auto", "bf16", "fp16", "fp32"):
@@ -91,6 +118,38 @@ class EngineConfig:
                 "engine.gil_switch_interval_ms must be between 0.01 and 100 (Python's default is 5) or null "
                 f"(leave the process's own), got {self.gil_switch_interval_ms}"
             )
+
+
+def auto_batch_size(
+    on_gpu: bool,
+    total_bytes: int,
+    free_bytes: int,
+    weights_to_load_bytes: int,
+    bytes_per_slot: int,
+    share: float,
+) -> tuple[int, str]:
+    """`max_batch_size: auto`'s choice and why, from the GPU's memory: `free_bytes` as it is now (other
+    processes and whatever this one holds already are gone from it), `weights_to_load_bytes` still to come.
+    ValueError when not one sequence fits."""
+    if not on_gpu:
+        return AUTO_CPU_BATCH_SIZE, f"auto on a CPU: {AUTO_CPU_BATCH_SIZE}"
+    gib = 2**30
+    held_elsewhere = total_bytes - free_bytes
+    budget = share * total_bytes - held_elsewhere - weights_to_load_bytes - WORKSPACE_BYTES
+    fits = int(budget // bytes_per_slot) if budget > 0 else 0
+    where = (
+        f"{share:g} of {total_bytes / gib:.1f} GiB, less {held_elsewhere / gib:.1f} GiB in use, "
+        f"{weights_to_load_bytes / gib:.1f} GiB of weights and {WORKSPACE_BYTES / gib:.1f} GiB of workspace, "
+        f"at {bytes_per_slot / 2**20:.1f} MiB of KV cache a sequence"
+    )
+    if fits < 1:
+        raise ValueError(
+            f"engine.max_batch_size auto: not one sequence fits ({where}); lower engine.max_seq_len, raise "
+            "engine.gpu_memory_share, or free the GPU"
+        )
+    if fits > AUTO_MAX_BATCH_SIZE:
+        return AUTO_MAX_BATCH_SIZE, f"auto: {fits} fit ({where}), capped at {AUTO_MAX_BATCH_SIZE}"
+    return fits, f"auto: {fits} fit ({where})"
 
 
 @dataclass(frozen=True)

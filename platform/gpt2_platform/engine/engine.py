@@ -30,6 +30,7 @@ import torch
 
 from gpt2_platform.engine import kernels
 from gpt2_platform.engine.admission import Admission, DrainRate, Refusal, decide
+from gpt2_platform.engine.config import auto_batch_size
 from gpt2_platform.engine.detokenize import ByteTable, TableTokenizer
 from gpt2_platform.engine.output import TextOutput
 from gpt2_platform.engine.requests import (
@@ -81,6 +82,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         name = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def resolve_max_batch_size(
+    config: EngineConfig, model: GPT2, max_seq_len: int, dtype: torch.dtype, device: torch.device
+) -> tuple[int, str]:
+    """The engine's slots and why: the number configured, or `auto`'s choice from the device's memory."""
+    if config.max_batch_size != "auto":
+        return config.max_batch_size, "engine.max_batch_size"
+    on_gpu = device.type == "cuda"
+    total = free = 0
+    weights = 0
+    element = torch.empty((), dtype=dtype).element_size()
+    if on_gpu:
+        free, total = torch.cuda.mem_get_info(device)
+        weights = sum(p.numel() for p in model.parameters() if p.device.type != "cuda") * element
+    c = model.config
+    # Keys and values of every layer for max_seq_len tokens, and the sampler's fp32 rows over the vocabulary.
+    per_slot = 2 * c.n_layer * c.n_embd * max_seq_len * element + 4 * c.vocab_size * 4
+    return auto_batch_size(on_gpu, total, free, weights, per_slot, config.gpu_memory_share)
 
 
 def resolve_decode_kernels(name: str, device: torch.device, model_config=None) -> str:
@@ -146,11 +166,16 @@ class Engine:
         self.byte_table = tokenizer.table if isinstance(tokenizer, TableTokenizer) else ByteTable.of(tokenizer)
         self.max_seq_len = config.max_seq_len or model.config.n_positions
         decode_kernels = resolve_decode_kernels(config.decode_kernels, device, model.config)
+        dtype = resolve_dtype(config.dtype, device)
+        self.max_batch_size, self.max_batch_size_reason = resolve_max_batch_size(
+            config, model, self.max_seq_len, dtype, device
+        )
+        logger.info("engine.max_batch_size %d (%s)", self.max_batch_size, self.max_batch_size_reason)
         self.runner = ModelRunner(
             model,
-            config.max_batch_size,
+            self.max_batch_size,
             self.max_seq_len,
-            resolve_dtype(config.dtype, device),
+            dtype,
             device,
             config.cuda_graphs,
             compile_step=default_compile(device, decode_kernels) if config.compile is None else config.compile,
@@ -168,11 +193,11 @@ class Engine:
         self._ids = itertools.count(1)
         self._waiting: deque[_Sequence] = deque()
         self._cancelled: set[int] = set()
-        self._slots: list[_Sequence | None] = [None] * config.max_batch_size
+        self._slots: list[_Sequence | None] = [None] * self.max_batch_size
         # What a step needs of each slot, as arrays: at hundreds of sequences a step, a Python loop over them
         # to launch the step and another to take its tokens in cost more host time than the device's step
         # (the batch job's py-spy profile, docs/benchmarks.md).
-        slots = config.max_batch_size
+        slots = self.max_batch_size
         self._occupant = np.zeros(slots, np.int64)  # the request id in the slot, 0 when free
         self._launched = np.zeros(slots, np.int64)  # tokens started on the device (prefill, then a step each)
         self._budget = np.zeros(slots, np.int64)  # max_tokens
@@ -385,6 +410,8 @@ class Engine:
             "capture_on_use_s": self.runner.capture_on_use_s,
             "batch_sizes": dict(sorted(self.batch_sizes.items())),
             "drain_per_s": self.drain.per_s(),
+            "max_batch_size": self.max_batch_size,
+            "max_batch_size_reason": self.max_batch_size_reason,
         }
 
     def refusal(self, admission: Admission, size: int = 1) -> Refusal | None:

@@ -305,7 +305,7 @@ def _check_engine(deployment: dict[str, Any], field: str, source: str, args: Any
     """GPT2Engine scales on the sequences it reports and takes one Serve call per sequence in its fallback."""
     from gpt2_platform.serve.autoscaling import ENGINE_POLICY_PATH
 
-    capacity = args.engine.max_batch_size + args.limits.max_waiting
+    capacity = args.engine.max_slots + args.limits.max_waiting
     max_ongoing = deployment.get("max_ongoing_requests")  # left out: the builder's default, above capacity
     if max_ongoing is not None and max_ongoing <= capacity:
         raise DeployConfigError(

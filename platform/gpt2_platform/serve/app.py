@@ -141,7 +141,7 @@ class GPT2Server:
             self.tokenizer,
             max_seq_len=args.engine.max_seq_len or model_config.n_positions,
             vocab_size=model_config.vocab_size,
-            capacity=lambda: args.engine.max_batch_size + self.limits.max_waiting,
+            capacity=lambda: args.engine.max_slots + self.limits.max_waiting,
         )
         self.metrics = ServeMetrics(self.model_name)
         self._bodies_in_flight = 0  # requests whose bodies are still arriving (autoscaling leaves them out)
@@ -606,7 +606,7 @@ def default_max_ongoing_requests(args: schemas.AppArgs) -> int:
     (in JSON, with Retry-After, where Serve's own queue-full 503 is plain text), and clients still
     sending their bodies (each holds a slot for up to limits.body_timeout_s): an idle request in a
     replica costs a coroutine, not engine work, which our own admission check bounds."""
-    return max(1024, 2 * (args.engine.max_batch_size + args.limits.max_waiting))
+    return max(1024, 2 * (args.engine.max_slots + args.limits.max_waiting))
 
 
 def _in_ray_worker() -> bool:

@@ -140,7 +140,7 @@ def _engine_problems(error: ValidationError) -> str:
     for item in error.errors():
         cause = (item.get("ctx") or {}).get("error")
         if item["type"] == "value_error" and isinstance(cause, ValueError):
-            problems.append(f"args.{cause}")  # "engine.max_batch_size must be >= 1, got 0"
+            problems.append(f"args.{cause}")  # "engine.max_batch_size must be auto or an integer >= 1, got 0"
         else:
             where = ".".join(str(part) for part in item["loc"])
             problems.append(f"args.engine{'.' + where if where else ''}: {item['msg']}")
