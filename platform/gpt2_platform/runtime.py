@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
@@ -126,8 +127,68 @@ def _quiet_worker_progress_bars() -> None:
         sys.modules["ray.data"].DataContext.get_current().use_ray_tqdm = False
 
 
+def _job_own_gcs_address() -> str | None:
+    """Inside a `ray job submit` driver: the GCS of the cluster that runs the job, from the command line of the
+    raylet that started the job's supervisor. None elsewhere, or when it cannot be read.
+
+    Ray sets the driver's RAY_ADDRESS from the address file in the head's temp dir, which the last `ray start`
+    on the machine wrote: beside another Ray started later with the same temp dir, that is the other Ray. The
+    driver is the supervisor's child (through a shell), and the supervisor, a worker, knows its raylet's pid.
+    """
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    if RAY_JOB_CONFIG_JSON_ENV_VAR not in os.environ:
+        return None
+    pid = os.getppid()
+    for _ in range(3):  # the shell, then the supervisor
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            raylet = next((entry[15:].decode() for entry in environ if entry.startswith(b"RAY_RAYLET_PID=")), None)
+            if raylet is not None:
+                arguments = Path(f"/proc/{raylet}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                flag = "--gcs-address="
+                return next((argument[len(flag) :] for argument in arguments if argument.startswith(flag)), None)
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # gone, not ours to read, or not Linux
+            return None
+    return None
+
+
+def _job_env_vars(names: dict[str, str]) -> dict[str, str]:
+    """`names` less the variables that the job's own runtime env sets: Ray refuses to merge a driver's
+    runtime env that sets the same variable as the job's."""
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    job_config = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
+    taken = (job_config.get("runtime_env") or {}).get("env_vars") or {}
+    return {name: value for name, value in names.items() if name not in taken}
+
+
+def _joined_cluster_args(address: str) -> tuple[str, dict]:
+    """The address to join (inside a job: the job's own cluster) and the ray.init() arguments for it.
+
+    The workers' environment names the same GCS: Ray's state API (Ray Train's placement-group cleaner calls
+    it from a worker) otherwise looks for a cluster among the Rays running on the node, logs "Found multiple
+    active Ray instances" on every call when there are several, and joins the last one started.
+    """
+    from ray._common.network_utils import parse_address
+
+    own = _job_own_gcs_address()
+    if own is not None and own != address:
+        if address != "auto":
+            logger.warning("RAY_ADDRESS=%s is another Ray than the one running this job; joining the job's own at %s",
+                           address, own)  # fmt: skip
+        address = own
+    _check_loopback_driver(address)
+    runtime_env = package_runtime_env()
+    if parse_address(address) is not None:  # a GCS's host:port, not "auto" or a ray:// client address
+        runtime_env["env_vars"] = _job_env_vars({"RAY_ADDRESS": address})
+    return address, {"runtime_env": runtime_env}
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None, preload: tuple[str, ...] = ()) -> None:
-    """Connect to RAY_ADDRESS / `address` if set, else start a local Ray; no-op if connected.
+    """Connect to RAY_ADDRESS / `address` if set, else start a local Ray; no-op if connected. Logs which
+    cluster it reached and whether it started or joined it.
 
     `preload`: modules that a local Ray's worker processes import before they take work. Ray starts
     workers ahead of need, one per CPU, so an actor that needs torch finds a process that has it instead
@@ -140,7 +201,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, preload: t
     """
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS") or None
     if is_dashboard_url(address):
         raise ValueError(
             f"RAY_ADDRESS={address} is the dashboard's URL, which `ray job submit` takes; to run this against "
@@ -148,9 +209,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, preload: t
             "GCS address (host:6379) to connect from a cluster node"
         )
     kwargs: dict = {"log_to_driver": True}
-    if address is None:
-        # "local", not None: ray.init(None) joins a head that `ray start` recorded in /tmp/ray, which an
-        # embedded run never means to do.
+    started = address in (None, "local")
+    if started:
+        # "local", not None: ray.init(None) joins the head that the last `ray start` recorded in /tmp/ray (even
+        # one since killed), which an embedded run never means to do.
         address = "local"
         kwargs.update(_prepare_local_cluster())
         if preload:
@@ -160,11 +222,19 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, preload: t
         if num_cpus is not None:
             kwargs["num_cpus"] = num_cpus
     else:
-        _check_loopback_driver(address)
-        kwargs["runtime_env"] = package_runtime_env()
-    ray.init(address=address, **kwargs)
+        address, joined_kwargs = _joined_cluster_args(address)
+        kwargs.update(joined_kwargs)
+    context = ray.init(address=address, **kwargs)
     _quiet_worker_progress_bars()
-    logger.info("Ray %s: %s", ray.__version__, ray.cluster_resources())
+    dashboard = f"http://{context.dashboard_url}" if context.dashboard_url else "none"
+    logger.info(
+        "Ray %s: %s at %s (dashboard %s): %s",
+        ray.__version__,
+        "started a local cluster" if started else "joined the cluster",
+        ray.get_runtime_context().gcs_address,
+        dashboard,
+        ray.cluster_resources(),
+    )
 
 
 def run_as_job(

@@ -2,7 +2,10 @@
 
 `start` runs `ray start --head --block` in a process group of its own, with RAY_AUTH_MODE=token (the token
 file made 0600), the dashboard on 127.0.0.1 and, unless other machines are to join, every other port (the
-metrics port too, which no token guards) on loopback; it waits until the jobs API accepts the token.
+metrics port too, which no token guards) on loopback; it waits until the jobs API accepts the token and the
+job agent answers. Beside another Ray on the machine: its ports other than the GCS's and the dashboard's are
+ones nothing holds, and its temp dir is its own (so the address file there, from which Ray tells a job's
+driver which cluster to join, names this head, not the last Ray started on the machine).
 `stop` signals that group and then ends every process that still carries the cluster's marker variable, so
 it stops this head only, unlike `ray stop`, which stops every Ray on the machine. The state (pid, ports,
 log) lives in `state_dir`.
@@ -10,6 +13,7 @@ log) lives in `state_dir`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -22,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from gpt2_platform.ray_auth import (  # noqa: F401  (part of this module's interface)
@@ -63,6 +67,13 @@ class ClusterPorts:
         """Every port one that nothing listens on now: a head beside any other Ray on this machine."""
         return cls(*free_ports(len(fields(cls))))
 
+    def with_free_ports(self) -> ClusterPorts:
+        """These ports, with one that nothing listens on now for each left to Ray: Ray's own choice for the
+        dashboard agent is a fixed port (52365), which another Ray on the machine holds, and an agent that
+        cannot bind it exits, leaving a head that takes no job."""
+        unset = [field.name for field in fields(self) if getattr(self, field.name) is None]
+        return replace(self, **dict(zip(unset, free_ports(len(unset)), strict=True)))
+
     def flags(self) -> list[str]:
         names = {"gcs": "port", "client_server": "ray-client-server-port"}
         flags = []
@@ -87,6 +98,8 @@ class ClusterState:
     home: str
     loopback_only: bool = True
     """Every port on 127.0.0.1 (no other machine can join), or Ray's usual binding on all interfaces."""
+    agent_port: int | None = None
+    """The dashboard agent's HTTP port, through which the head runs submitted jobs (None: not recorded)."""
 
     @property
     def log_path(self) -> Path:
@@ -103,6 +116,14 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def own_temp_dir(state_dir: Path, env: Mapping[str, str]) -> Path:
+    """Ray's temp dir for the head of `state_dir`: one no other Ray uses, and short, because Ray's unix
+    sockets live under it (at most 107 characters)."""
+    base = Path(env.get("RAY_TMPDIR") or env.get("TMPDIR") or "/tmp")
+    digest = hashlib.sha256(str(state_dir).encode()).hexdigest()[:8]
+    return base / f"ray-{os.getuid()}-{digest}"
 
 
 def ray_cli() -> str:
@@ -192,8 +213,9 @@ def start(
     if is_running(previous):
         raise ValueError(f"a cluster from {state_dir} is already running (pid {previous.pid}); stop it first")
     state_dir.mkdir(parents=True, exist_ok=True)
-    ports = ports or ClusterPorts()
+    ports = (ports or ClusterPorts()).with_free_ports()
     head_env = cluster_env(state_dir, env)
+    temp_dir = temp_dir or own_temp_dir(state_dir, head_env)
     if loopback_only:
         head_env[LOOPBACK_ONLY_VAR] = "0"
     token = auth_token(head_env)
@@ -201,15 +223,16 @@ def start(
     command += ports.flags() + ["--include-dashboard=true"]
     command += [f"--num-cpus={num_cpus}"] if num_cpus is not None else []
     command += [f"--num-gpus={num_gpus}"] if num_gpus is not None else []
-    command += [f"--temp-dir={temp_dir}"] if temp_dir is not None else []
+    command += [f"--temp-dir={temp_dir}"]
     state = ClusterState(
         pid=0,
         dashboard_url=f"http://127.0.0.1:{ports.dashboard}",
         gcs_address=f"127.0.0.1:{ports.gcs}",
         state_dir=str(state_dir),
-        temp_dir=str(temp_dir) if temp_dir is not None else None,
+        temp_dir=str(temp_dir),
         home=head_env.get("HOME", str(Path.home())),
         loopback_only=loopback_only,
+        agent_port=ports.dashboard_agent_listen,
     )
     with open(state.log_path, "wb") as log:
         process = subprocess.Popen(
@@ -228,6 +251,8 @@ def start(
 
 
 def _wait_until_ready(state: ClusterState, process: subprocess.Popen, token: str, timeout_s: float) -> None:
+    """Until the jobs API answers, `ray start` blocks (until then it is in calls that delay its SIGTERM
+    handler) and the job agent answers: the dashboard lists jobs without one, but runs none."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
@@ -239,11 +264,51 @@ def _wait_until_ready(state: ClusterState, process: subprocess.Popen, token: str
             last = f"HTTP {status}: {body[:200]}"
         except OSError as error:  # not listening yet
             status, last = None, repr(error)
-        # Until it blocks, `ray start` is still in calls that delay its SIGTERM handler.
-        if status == 200 and BLOCKING_MESSAGE in output:
-            return
+        if status == 200 and BLOCKING_MESSAGE in output:  # by then session_latest is this head's session
+            if failure := _agent_bind_failure(state):
+                raise RuntimeError(failure)
+            if (last := job_agent_problem(state)) is None:
+                return
         time.sleep(0.5)
-    raise TimeoutError(f"the dashboard did not answer within {timeout_s:.0f} s ({last}); see {state.log_path}")
+    raise TimeoutError(f"the head is not ready within {timeout_s:.0f} s ({last}); see {state.log_path}")
+
+
+def _agent_bind_failure(state: ClusterState) -> str | None:
+    """What the head's dashboard agent logged when it could not bind its port (it then exits), or None."""
+    log = Path(state.temp_dir or "") / "session_latest" / "logs" / "dashboard_agent.log"
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:  # not started yet
+        return None
+    if "address already in use" not in text:
+        return None
+    return (
+        f"the head's job agent could not bind port {state.agent_port}: another process (another Ray?) took it "
+        f"after it was chosen; start again (see {log})"
+    )
+
+
+def job_agent_problem(state: ClusterState) -> str | None:
+    """Why the head of `state` cannot take a submitted job now (None: it can).
+
+    `ray job submit` goes to the head node's dashboard agent, which may have died (a port held by another Ray)
+    while the dashboard still lists jobs. Its port alone is not enough to know it: another Ray's agent may
+    answer there; so the agent must be one of this head's processes, listening on that port.
+    """
+    if state.agent_port is None:
+        return None  # recorded before the port was: nothing to check against
+    agents = [
+        command
+        for command in processes_marked(state.state_dir).values()
+        if "dashboard/agent.py" in command and f"--listen-port={state.agent_port}" in command
+    ]
+    if not agents:
+        return f"its job agent (dashboard agent, port {state.agent_port}) is not running"
+    try:
+        status, body = get(f"http://127.0.0.1:{state.agent_port}/api/healthz", token=None, timeout_s=5)
+    except OSError as error:
+        return f"its job agent on port {state.agent_port} does not answer ({error})"
+    return None if status == 200 else f"its job agent on port {state.agent_port} answers HTTP {status}: {body[:200]}"
 
 
 def processes_marked(marker: str, variable: str = MARKER_VAR) -> dict[int, str]:
@@ -334,4 +399,19 @@ def status(state_dir: Path = DEFAULT_STATE_DIR) -> dict[str, object]:
         report["ray_version"] = json.loads(body).get("ray_version") if code == 200 else f"HTTP {code}"
     except (OSError, RuntimeError) as error:
         report["ray_version"] = f"dashboard not answering: {error}"
+    report["job_agent"] = job_agent_problem(state) or "answering"
     return report
+
+
+def train_submit_command(state: ClusterState, root: Path, corpus: Path, storage_path: Path) -> list[str]:
+    """A `ray job submit` of the tiny recipe to this head that works as printed, from any directory.
+
+    The job runs in a copy of `root` that leaves out what git ignores, the corpus under data/ too; the head runs
+    on this machine, so the job reads `corpus` and writes its run under `storage_path` where they are.
+    """
+    return [
+        "ray", "job", "submit", "--address", state.dashboard_url, "--working-dir", str(root.resolve()), "--",
+        "python", "jobs/train.py", "--config", "jobs/configs/tiny.yaml",
+        "--set", f"data.paths=[{corpus.resolve()}]",
+        "--set", f"run.storage_path={storage_path.resolve()}",
+    ]  # fmt: skip
