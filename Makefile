@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo serve test lint bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) jobs/demo.py
+
+# `serve run` in a Ray of its own (or RAY_ADDRESS's), not the one the last `ray start` here recorded in /tmp/ray.
+serve: $(STAMP)
+	$(PY) jobs/serve.py deployments/gpt2.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

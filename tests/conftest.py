@@ -50,7 +50,9 @@ def ray_cluster() -> Iterator[None]:
     """One embedded local Ray for the whole session (started on first use, stopped at the end)."""
     import ray
 
-    ray.init(num_cpus=4, object_store_memory=400 * 2**20, include_dashboard=False)
+    # "local": without an address Ray joins the cluster that the last `ray start` on the machine recorded in
+    # /tmp/ray (and refuses num_cpus for it, or waits on it when it is dead).
+    ray.init(address="local", num_cpus=4, object_store_memory=400 * 2**20, include_dashboard=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()
