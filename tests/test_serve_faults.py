@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -45,12 +46,31 @@ def assert_unavailable(response: httpx.Response) -> None:
     assert response.json()["error"]["type"] == "server_error" and int(response.headers["Retry-After"]) >= 1
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def replica_logs(replica: str, pid: int) -> str:
+    """What the replica `replica` (its unique id) with process id `pid` logged: Serve's log file of it (where a
+    call that raised leaves its traceback) and its process's stderr (where this package's lines go)."""
+    import ray
+
+    logs = Path(ray._private.worker.global_worker.node.get_session_dir_path()) / "logs"
+    [serve_log] = (logs / "serve").glob(f"replica_*_{replica}.log")
+    [stderr] = logs.glob(f"worker-*-{pid}.err")
+    return serve_log.read_text() + stderr.read_text()
+
+
 def test_a_dead_engine_ends_streams_with_an_error_event_and_requests_get_503_until_replaced(engine_process_url):
     long = {"prompt": "a long story", "max_tokens": 200, "ignore_eos": True}
 
-    async def load() -> tuple[list[list], httpx.Response, httpx.Response]:
+    async def load() -> tuple[dict, float, list[list], httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=engine_process_url, timeout=60) as session:
-            engine_pid = (await session.get("/v1/engine/stats")).json()["engine_pid"]
+            engine = (await session.get("/v1/engine/stats")).json()
             streaming = [asyncio.Event(), asyncio.Event()]
 
             async def stream(started: asyncio.Event) -> list:
@@ -68,19 +88,27 @@ def test_a_dead_engine_ends_streams_with_an_error_event_and_requests_get_503_unt
             collected = asyncio.create_task(session.post("/v1/completions", json=long))
             # Both streams under way (their 200 sent), the third request still collecting its text.
             await asyncio.wait_for(asyncio.gather(*(started.wait() for started in streaming)), 30)
-            os.kill(engine_pid, signal.SIGKILL)
+            os.kill(engine["engine_pid"], signal.SIGKILL)
+            killed = time.monotonic()
             cut = await asyncio.wait_for(asyncio.gather(*streams), 30)  # promptly, not at the client's timeout
             in_flight = await collected
             after = await session.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
-            return cut, in_flight, after
+            return engine, killed, cut, in_flight, after
 
-    cut, in_flight, after = asyncio.run(load())
+    engine, killed, cut, in_flight, after = asyncio.run(load())
+    # The replica notices its engine's exit at once and exits itself, for Serve to replace it at its next
+    # health check (one that only failed its checks would wait for several in a row).
+    assert wait_until(lambda: not pid_alive(engine["replica_pid"]), timeout_s=5, interval_s=0.05)
+    assert time.monotonic() - killed < 3
+    messages = [events[-2]["error"]["message"] for events in cut]
     for events in cut:
         assert events[-1] == "[DONE]", events[-3:]
         error = events[-2]["error"]
         assert error["type"] == "server_error" and "engine" in error["message"], error
     assert_unavailable(in_flight)
     assert_unavailable(after)  # refused at once while no engine answers, not queued behind the restart
+    messages += [in_flight.json()["error"]["message"], after.json()["error"]["message"]]
+    assert all(message.count("retry the request") == 1 for message in messages), messages
 
     def served_again() -> bool:
         try:
@@ -91,9 +119,14 @@ def test_a_dead_engine_ends_streams_with_an_error_event_and_requests_get_503_unt
             return False
         if response.status_code != 200:
             assert_unavailable(response)  # JSON while it is replaced, never plain text
+            assert response.json()["error"]["message"].count("retry the request") == 1, response.text
         return response.status_code == 200
 
     assert wait_until(served_again, timeout_s=120, interval_s=0.25)
+    print(f"served again {time.monotonic() - killed:.1f} s after the kill")
+    # One line says why the replica went, not a traceback per call that reached it meanwhile.
+    log = replica_logs(engine["replica"], engine["replica_pid"])
+    assert log.count("this replica exits") == 1 and "Traceback" not in log, log[-3000:]
 
 
 def test_a_burst_past_every_limit_gets_json_429s_with_retry_after_never_plain_text(engine_process_url):

@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from gpt2_platform import gc_pauses
+from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.config import SAMPLING_MODES
 from gpt2_platform.engine.link import Address, Outlet
 from gpt2_platform.engine.requests import (
@@ -311,7 +312,8 @@ class EngineProcess:
             return
         _wait(self._process, 5)
         self._error = self._error or f"engine process exited unexpectedly (exit code {self._process.returncode})"
-        logger.error("%s; failing %d pending requests", self._error, len(self._pending))
+        if self._on_exit is None:  # an owner that asked to hear of it says what it does about it
+            logger.error("%s; failing %d pending requests", self._error, len(self._pending))
         self._fail_pending(f"engine failed: {self._error}")
         if self._on_exit is not None:
             self._on_exit(self._error)
@@ -404,14 +406,13 @@ class _Outlets:
         return outlet
 
     def submit(
-        self, outlet: Outlet, key: int, prompt_ids: list[int], params: GenerationParams, room: int | None
+        self, outlet: Outlet, key: int, prompt_ids: list[int], params: GenerationParams, admission: Admission | None
     ) -> None:
-        """On the link's reader thread: run the sequence, or refuse it on the link at once."""
-        stats = self.engine.stats()
-        in_engine = stats["running"] + stats["waiting"]
-        if room is not None and in_engine and in_engine + 1 > room:
-            message = f"{stats['running']} sequences running, {stats['waiting']} waiting"
-            outlet.send_now([(key, -1, "refused", message)])
+        """On the link's reader thread: run the sequence, or refuse it on the link at once (engine/admission.py;
+        None: never refused)."""
+        refusal = self.engine.refusal(admission) if admission is not None else None
+        if refusal is not None:
+            outlet.send_now([(key, -1, "refused", refusal.text())])
             return
         try:
             _submit_to_outlet(self.engine, outlet, key, prompt_ids, params, None)

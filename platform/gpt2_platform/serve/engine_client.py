@@ -10,7 +10,8 @@ Serve call (GPT2Engine.generate), which also brings the link up. This replica as
 `connect` again every few seconds, so engines that Serve adds are found.
 
 Failures: a link that drops (the engine's process died) or a call that fails (its replica died)
-ends the sequences it carried with an "error" event at once. From then on `check_health` raises
+ends the sequences it carried with an "error" event at once. Its error says what happened, not what
+to do: the server that turns it into a 503 adds "retry the request" (serve/app.py). From then on `check_health` raises
 (the server answers 503 with Retry-After) until an engine answers a ping again, so new requests
 are refused promptly instead of waiting in Serve's queue for a replica that is still starting.
 """
@@ -29,6 +30,7 @@ import ray
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from transformers import PreTrainedTokenizerBase
 
+from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.detokenize import ByteTable
 from gpt2_platform.engine.link import Inlet, Link, Record
 from gpt2_platform.engine.output import TextOutput
@@ -79,12 +81,12 @@ class RemoteEngine:
         tokenizer: PreTrainedTokenizerBase,
         max_seq_len: int,
         vocab_size: int,
-        capacity: Callable[[], int],
+        admission: Callable[[], Admission],
     ) -> None:
-        """`capacity()`: the sequences an engine may hold (running and waiting) before it refuses more
-        (the server's live limits decide it)."""
+        """`admission()`: what an engine is asked to take a new request under (engine/admission.py; the
+        server's live limits decide it)."""
         self.handle, self.tokenizer = handle, tokenizer
-        self.max_seq_len, self.vocab_size, self.capacity = max_seq_len, vocab_size, capacity
+        self.max_seq_len, self.vocab_size, self.admission = max_seq_len, vocab_size, admission
         self.eos_token_id = tokenizer.eos_token_id
         self.byte_table = ByteTable.of(tokenizer)
         self._ids = itertools.count(1)
@@ -153,14 +155,14 @@ class RemoteEngine:
         # Stop strings are applied here, on the text (`output`); the engine ends sequences by token only.
         engine_params = dataclasses.replace(params, stop=(), sampling=sampling)
         self._sequences[key] = sequence
-        room = self.capacity() - request_size + 1 if request_size else None
+        admission = dataclasses.replace(self.admission(), size=request_size) if request_size else None
         link = min(self._links, key=lambda link: len(link.keys), default=None)
-        if link is not None and link.submit(key, list(prompt_ids), engine_params, room):
+        if link is not None and link.submit(key, list(prompt_ids), engine_params, admission):
             sequence.link = link
             link.keys.add(key)
             return key
         outlet = (self.inlet.address, self.inlet.authkey, key)  # no link yet: through Serve
-        sequence.response = self.handle.generate.remote(outlet, list(prompt_ids), engine_params, room)
+        sequence.response = self.handle.generate.remote(outlet, list(prompt_ids), engine_params, admission)
         self._loop.create_task(self._watch(key, sequence))
         return key
 
@@ -281,7 +283,7 @@ class RemoteEngine:
                 return  # finished (or cancelled) already; the call's end is only its echo
             if not self._links:
                 self._engine_failed(f"{type(error).__name__}: {error}".splitlines()[0])
-            result = {"error": f"the engine failed ({type(error).__name__}); retry the request"}
+            result = {"error": f"the engine failed ({type(error).__name__})"}
         if self._sequences.get(key) is not sequence:
             return
         if "refused" in result:
@@ -294,7 +296,7 @@ class RemoteEngine:
     def _expire(self, key: int, sequence: _Remote) -> None:
         if self._sequences.get(key) is sequence:
             logger.error("sequence %d ended in the engine but its last tokens never arrived", key)
-            self._end(key, sequence, "error", "the engine's output for this sequence was lost; retry the request")
+            self._end(key, sequence, "error", "the engine's output for this sequence was lost")
 
     def _end(self, key: int, sequence: _Remote, reason: str, error: str) -> None:
         del self._sequences[key]
@@ -315,7 +317,7 @@ class RemoteEngine:
         if failed and not self._links:  # with another engine still linked, new requests go there
             self._engine_failed("its process exited")
         for key, sequence in failed:
-            self._end(key, sequence, "error", "the engine's process exited; retry the request")
+            self._end(key, sequence, "error", "the engine's process exited")
         link.keys.clear()
 
     def _engine_failed(self, why: str) -> None:

@@ -9,7 +9,10 @@ gets their tokens back on the link, one message per engine step. `generate`, one
 sequence, is there for an ingress that has no link yet.
 
 The engine runs in a child process (engine/process.py), so this replica's event loop and the
-engine's loop never wait for each other's GIL.
+engine's loop never wait for each other's GIL. A replica whose engine process exits has nothing left to
+serve, so it exits too, at once: Serve replaces a crashed replica at its next health check, where a
+replica that only fails its checks would wait for several in a row, meanwhile answering every call
+(pings, connects, sequences) with a traceback.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
+import threading
 import time
 from typing import Any
 
 from ray import serve
 
+from gpt2_platform.engine.admission import Admission, decide
 from gpt2_platform.engine.config import EngineConfig
 from gpt2_platform.engine.link import Address
 from gpt2_platform.engine.process import EngineProcess
@@ -32,6 +38,10 @@ from gpt2_platform.serve.metrics import ServeMetrics
 from gpt2_platform.worker_process import configure_worker_logging, process_age_s
 
 logger = logging.getLogger(__name__)
+
+# How long a replica whose engine process died lives on: long enough for the replies that end its pending
+# `generate` calls (with the engine's error) to leave, so those callers read why rather than "actor died".
+_EXIT_AFTER_ENGINE_S = 0.5
 
 
 @serve.deployment(health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=30)
@@ -49,7 +59,7 @@ class GPT2Engine:
         self.config, self.model_name = config, model_name
         # start() warms every batch and span shape (and captures the CUDA graphs) before it returns, so
         # the replica reports healthy only once it serves at full speed.
-        self.engine = EngineProcess(model, tokenizer, config).start()
+        self.engine = EngineProcess(model, tokenizer, config, on_exit=self._engine_exited).start()
         self.max_seq_len = self.engine.max_seq_len
         self._loop: asyncio.AbstractEventLoop | None = None
         exporter.start_if_wanted(gpu_monitor)  # idempotent: the first replica on a node starts them
@@ -68,6 +78,16 @@ class GPT2Engine:
             time.perf_counter() - started,
             "?" if age is None else f"{age:.1f} s",
         )
+
+    def _engine_exited(self, why: str) -> None:
+        """On the engine process's reader thread, the moment the engine process is gone: end this replica."""
+        logger.error(
+            "engine for %s failed (%s): this replica exits in %.1f s for Serve to replace it",
+            self.model_name,
+            why,
+            _EXIT_AFTER_ENGINE_S,
+        )
+        threading.Timer(_EXIT_AFTER_ENGINE_S, _exit_process).start()
 
     def connect(self, address: Address, authkey: bytes) -> None:
         """Open a token link to the ingress at `address` (nothing if there is one already)."""
@@ -94,19 +114,22 @@ class GPT2Engine:
         outlet: tuple[Address, bytes, int],
         prompt_ids: list[int],
         params: GenerationParams,
-        capacity: int | None,
+        admission: Admission | None,
     ) -> dict[str, Any]:
         """Run one sequence, its tokens going to `outlet`; returns how it ended once it has.
 
-        Refused at once (`{"refused": ...}`) when the engine is busy and already holds `capacity`
-        sequences (running and waiting): the ingress answers 429 rather than letting a queue grow.
-        None: never refused (the rest of a request whose first sequence was admitted). Cancelling
-        the call (the client went away) cancels the sequence.
+        Refused at once (`{"refused": ...}`) when the engine should not start it within the wait budget
+        (engine/admission.py): the ingress answers 429 with the engine's Retry-After. None: never refused
+        (the rest of a request whose first sequence was admitted). Cancelling the call (the client went
+        away) cancels the sequence.
         """
-        stats = self.engine.stats()
-        in_engine = stats["running"] + stats["waiting"]
-        if capacity is not None and in_engine and in_engine + 1 > capacity:
-            return {"refused": f"{stats['running']} sequences running, {stats['waiting']} waiting"}
+        if admission is not None:
+            stats = self.engine.stats()
+            refusal = decide(
+                stats["running"], stats["waiting"], stats["max_batch_size"], stats["drain_per_s"], admission
+            )
+            if refusal is not None:
+                return {"refused": refusal.text()}
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Event] = loop.create_future()
 
@@ -125,8 +148,7 @@ class GPT2Engine:
         context = serve.get_replica_context()
         replica = context.replica_id.unique_id if context is not None else None
         return {
-            **self.engine.stats(),
-            "max_batch_size": self.config.max_batch_size,
+            **self.engine.stats(),  # the engine's max_batch_size: the number it chose, where auto
             "replica": replica,
             "replica_pid": os.getpid(),
             "engine_pid": self.engine.pid,
@@ -136,6 +158,20 @@ class GPT2Engine:
         """For an ingress that saw an engine fail: any answer means an engine serves again."""
         self.engine.check_health()
         return self.max_seq_len
+
+
+def _exit_process() -> None:
+    """End this replica's actor as Ray's own `ray.kill` does, so the raylet reports an intended kill rather
+    than a worker that crashed; an exit of the process where that fails."""
+    import ray
+
+    sys.stdout.flush()
+    sys.stderr.flush()  # where this package's log lines go in a Ray worker (configure_worker_logging)
+    try:
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+    except Exception as error:  # not as an actor (a test), or Ray is going away: exit all the same
+        logger.warning("could not end this replica through Ray (%r); exiting its process", error)
+        os._exit(1)  # not sys.exit: this is a timer thread, and Ray's worker loop holds the main one
 
 
 def _settle(future: asyncio.Future, event: Event) -> None:
