@@ -168,3 +168,17 @@ def test_the_batch_config_reports_malformed_yaml_as_training_does(tmp_path: Path
     for loader in (batch_config.load, train_config.load):
         with pytest.raises(ConfigError, match=expected):
             loader(path)
+
+
+def test_set_takes_several_values_and_repeats() -> None:
+    import argparse
+
+    from gpt2_platform.jobs_common import add_config_arguments
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, "train.max_steps=100")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(["--set", "a.b=1", "c.d=2", "--set", "e.f=3", "--profile"])
+    assert args.overrides == ["a.b=1", "c.d=2", "e.f=3"] and args.profile
+    assert parser.parse_args([]).overrides == []
+    assert load_tree(None, args.overrides) == {"a": {"b": 1}, "c": {"d": 2}, "e": {"f": 3}}

@@ -70,6 +70,10 @@ def assert_user_error(code: int, capsys: pytest.CaptureFixture[str], storage: Pa
         ),
         (["train.max_steps=abc"], ["train.max_steps must be an integer", "'abc'"]),
         (["train.max_steps"], ["--set expects key=value", "'train.max_steps'"]),
+        (
+            ["scaling.strategy=fsdp", "scaling.cpu_offload=true"],
+            ["scaling.cpu_offload=true needs GPU workers", "scaling.use_gpu=true"],
+        ),
     ],
     ids=[
         "block-size-over-context",
@@ -79,6 +83,7 @@ def assert_user_error(code: int, capsys: pytest.CaptureFixture[str], storage: Pa
         "batch-not-divisible",
         "wrong-type",
         "set-without-equals",
+        "cpu-offload-without-gpu",
     ],
 )
 def test_bad_config_exits_2_naming_the_field(capsys, storage: Path, overrides: list[str], expected: list[str]) -> None:

@@ -243,4 +243,37 @@ def test_fsdp_only_settings_are_refused_where_they_do_not_apply(overrides: list[
         load(None, ["scaling.strategy=zero3"])
     with pytest.raises(ConfigError, match=message):
         load(None, overrides)
-    load(None, ["scaling.strategy=fsdp", "scaling.cpu_offload=true", "train.precision=bf16"])  # together: fine
+    # Offload moves a GPU's state into CPU memory: with CPU workers it could only fail in every worker.
+    with pytest.raises(ConfigError, match=r"scaling.cpu_offload=true needs GPU workers \(scaling.use_gpu=true\)"):
+        load(None, ["scaling.strategy=fsdp", "scaling.cpu_offload=true"])
+    together = ["scaling.strategy=fsdp", "scaling.cpu_offload=true", "scaling.use_gpu=true", "train.precision=bf16"]
+    load(None, together)  # fine
+
+
+def _saved(num_workers: int, micro_batch_size: int, grad_accum_steps: int) -> dict:
+    return {
+        "train": {"micro_batch_size": micro_batch_size, "grad_accum_steps": grad_accum_steps},
+        "scaling": {"num_workers": num_workers},
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "saved", "accum", "batch", "said"),
+    [
+        (["scaling.num_workers=1"], _saved(2, 8, 1), 2, 16, "train.grad_accum_steps 1 -> 2 keeps the run's 16"),
+        (["scaling.num_workers=4", "train.grad_accum_steps=2"], _saved(2, 8, 2), 1, 32, "-> 1 keeps"),
+        (["scaling.num_workers=1", "train.micro_batch_size=12"], _saved(2, 8, 1), 1, 12, "cannot make"),
+        (["scaling.num_workers=1", "train.global_batch_size=8"], _saved(2, 8, 1), 1, 8, "changes this run's"),
+        (["scaling.num_workers=2"], _saved(2, 8, 1), 1, 16, None),
+    ],
+    ids=["fewer-workers", "more-workers", "not-exact", "asked-for", "unchanged"],
+)
+def test_a_resumed_run_keeps_its_global_batch_unless_told(overrides, saved, accum, batch, said, caplog) -> None:
+    from gpt2_platform.train.trainer import keep_global_batch
+
+    config = load(None, ["train.micro_batch_size=8", *overrides])
+    caplog.set_level("INFO", logger="gpt2_platform")
+    keep_global_batch(config, saved)
+    assert (config.train.grad_accum_steps, config.train.global_batch_size) == (accum, batch)
+    lines = [r.getMessage() for r in caplog.records]
+    assert (any(said in line for line in lines) and len(lines) == 1) if said else lines == []

@@ -117,6 +117,8 @@ def test_worker_failure_resumes_from_checkpoint(ray_cluster, corpus, tmp_path):
     assert starts == [0, 4], "the restarted workers resume from the step-4 checkpoint"
     after_restart = records[[i for i, r in enumerate(records) if r.get("event") == "start"][1] + 1 :]
     assert [r["step"] for r in after_restart] == [5, 6, 7, 8, 9, 10]
+    # The failed attempt's steps 5-6 were dropped from the history when the next attempt redid them.
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 11))
     assert optimizer_steps(result.checkpoint_dir) == 10, "no optimizer step repeated or skipped"
     # Checkpoints were taken at steps 4, 8 and 10; Ray keeps the last train.keep_checkpoints (2).
     kept = sorted(p.name for p in result.run_dir.glob("checkpoint_step_*"))
@@ -125,7 +127,7 @@ def test_worker_failure_resumes_from_checkpoint(ray_cluster, corpus, tmp_path):
     # so every step has one loss, from the attempt that carried on.
     losses = tensorboard_scalars(result.run_dir)["train/loss"]
     assert [step for step, _ in losses] == list(range(1, 11))
-    by_step = {r["step"]: r["loss"] for r in records if "loss" in r}  # the last record per step
+    by_step = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert [pytest.approx(by_step[step], rel=1e-5) for step, _ in losses] == [value for _, value in losses]
 
 
@@ -145,22 +147,62 @@ def test_nan_loss_stops_the_run_without_a_checkpoint(ray_cluster, corpus, tmp_pa
     assert all(step < bad_step for step in saved), f"checkpoints {saved} include the broken step {bad_step}"
 
 
-def test_an_fsdp_run_resumes_on_fewer_workers_and_exports_what_transformers_loads(ray_cluster, corpus, tmp_path):
+def validation_loss(model_dir: Path, config) -> tuple[float, int]:
+    """What training's evaluation of `config` should give for these weights, computed in one process: the
+    cross-entropy over every target of the whole validation micro-batches shipped to the workers; and how
+    many micro-batches those are."""
+    import torch.nn.functional as F
+
+    from gpt2_platform.checkpoint import load_pretrained
+    from gpt2_platform.train.data import build_datasets
+    from gpt2_platform.train.trainer import validation_tokens
+
+    tc, workers = config.train, config.scaling.num_workers
+    datasets = build_datasets(config.data, 257, tc.micro_batch_size * workers)
+    blocks = torch.from_numpy(validation_tokens(datasets, tc.eval_batches * tc.micro_batch_size * workers))
+    blocks = blocks[: len(blocks) // tc.micro_batch_size * tc.micro_batch_size].long()
+    model = load_pretrained(str(model_dir)).eval()
+    with torch.no_grad():
+        logits = model(blocks[:, :-1])[0]  # (B, T, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1).double(), blocks[:, 1:].flatten()).item()
+    return loss, len(blocks) // tc.micro_batch_size
+
+
+# Of the session corpus's 8,181 blocks of 32 tokens, 29 held out: 3 whole micro-batches of 8 (and 5 blocks
+# left over), which two workers split 2 and 1; eval_batches=4 ships all 3 to one worker as well.
+UNEVEN_VALIDATION = ("data.val_fraction=0.00355", "train.eval_batches=4")
+
+
+# Under FSDP every forward is a collective: a rank with fewer validation batches than another used to wait in
+# the loss all-reduce while the other waited in a forward's all-gather, forever. A hang fails this test.
+@pytest.mark.timeout(300)
+def test_an_fsdp_run_evaluates_an_uneven_validation_set_resumes_on_fewer_workers_and_exports(
+    ray_cluster, corpus, tmp_path
+):
     from transformers import AutoModelForCausalLM
 
     from gpt2_platform import checkpoint
 
-    overrides = ["scaling.strategy=fsdp", "train.checkpoint_every=3", "train.eval_every=0"]
-    first = fit(tiny_config(corpus, tmp_path, *overrides, "scaling.num_workers=2", "train.max_steps=6"))
+    overrides = ["scaling.strategy=fsdp", "train.checkpoint_every=3", "train.eval_every=3", *UNEVEN_VALIDATION]
+    config = tiny_config(corpus, tmp_path, *overrides, "scaling.num_workers=2", "train.max_steps=6")
+    first = fit(config)
     assert optimizer_steps(first.checkpoint_dir) == 6
+    # Two workers' validation loss is one process's over the same blocks: each token counted once.
+    reference, num_batches = validation_loss(first.checkpoint_dir, config)
+    assert num_batches == 3, f"{num_batches} validation micro-batches: fix UNEVEN_VALIDATION for this corpus"
+    assert first.metrics["val_loss"] == pytest.approx(reference, rel=1e-5)
+
     # The same run on one worker: the gathered checkpoint (weights and optimizer state by parameter name)
-    # is sharded again over however many workers there are.
-    again = fit(tiny_config(corpus, tmp_path, *overrides, "scaling.num_workers=1", "train.max_steps=8"))
-    starts = [r["start_step"] for r in history(again.run_dir) if r.get("event") == "start"]
-    assert starts == [0, 6]
+    # is sharded again over however many workers there are, and the run keeps its global batch.
+    config = tiny_config(corpus, tmp_path, *overrides, "scaling.num_workers=1", "train.max_steps=8")
+    again = fit(config)
+    starts = [r for r in history(again.run_dir) if r.get("event") == "start"]
+    assert [r["start_step"] for r in starts] == [0, 6]
+    assert [r["tokens_per_step"] for r in starts] == [2 * 8 * 32] * 2, "one worker accumulates two micro-batches"
     assert optimizer_steps(again.checkpoint_dir) == 8, "no optimizer step repeated or skipped"
     records = [r for r in history(again.run_dir) if "loss" in r]
     assert records[-1]["loss"] < records[0]["loss"], "the resumed run should keep learning"
+    assert again.metrics["val_loss"] == pytest.approx(validation_loss(again.model_dir, config)[0], rel=1e-5)
 
     ids = torch.tensor([list(b"alice has 3 apples. bob gives")])
     theirs = AutoModelForCausalLM.from_pretrained(again.model_dir).eval()

@@ -15,15 +15,16 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, F
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
-    """The one way to configure a job: `--config recipe.yaml` and repeatable `--set a.b=c`."""
+    """The one way to configure a job: `--config recipe.yaml` and `--set a.b=c [d.e=f ...]`, repeatable."""
     parser.add_argument("--config", help="YAML recipe (jobs/configs/*.yaml)")
     parser.add_argument(
         "--set",
         dest="overrides",
-        action="append",
+        action="extend",  # several values after one --set, and --set repeated, make one flat list
+        nargs="+",
         default=[],
         metavar="KEY=VALUE",
-        help=f"override a config field, e.g. --set {example} (repeatable)",
+        help=f"override config fields, e.g. --set {example} (several after one --set, or --set repeated)",
     )
 
 

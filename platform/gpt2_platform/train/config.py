@@ -201,6 +201,13 @@ class ScalingConfig:
             raise ConfigError(f"scaling.strategy must be ddp or fsdp, got {self.strategy!r}")
         if self.cpu_offload and self.strategy != "fsdp":
             raise ConfigError("scaling.cpu_offload needs scaling.strategy=fsdp (DDP keeps the whole model on each GPU)")
+        if self.cpu_offload and not self.use_gpu:
+            # FSDP2 pins the offloaded memory for copies to a GPU: on CPU workers it fails in every worker,
+            # after the data is built, and again on every retry.
+            raise ConfigError(
+                "scaling.cpu_offload=true needs GPU workers (scaling.use_gpu=true): it moves what a GPU holds "
+                "into CPU memory, where CPU workers keep everything already; drop scaling.cpu_offload"
+            )
         if self.num_workers < 1:
             raise ConfigError(f"scaling.num_workers must be >= 1, got {self.num_workers}")
         if not (math.isfinite(self.resource_timeout_s) and self.resource_timeout_s >= 0):
@@ -237,6 +244,9 @@ class Config:
 
     def __post_init__(self) -> None:
         train, workers = self.train, self.scaling.num_workers
+        # Whether the global batch was asked for, rather than made of the per-worker settings: a resumed run
+        # keeps the global batch it started with unless it was asked for (trainer.keep_global_batch).
+        self.global_batch_given = train.global_batch_size is not None
         if self.scaling.strategy == "fsdp" and train.precision == "fp16":
             raise ConfigError(
                 "train.precision=fp16 is not implemented with scaling.strategy=fsdp (its loss scaling would need "

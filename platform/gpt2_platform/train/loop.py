@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -149,31 +150,50 @@ class _ReadFailed:
         self.error = error
 
 
-@torch.no_grad()
-def validation_batches(tokens: np.ndarray | None, micro_batch_size: int, rank: int, world: int) -> list[torch.Tensor]:
-    """This rank's share of the fixed validation micro-batches (rank r takes every r-th one)."""
+@dataclass
+class ValidationShard:
+    """This rank's share of the fixed validation micro-batches, and the number of forwards every rank runs.
+
+    Under FSDP every forward is a collective (each block's parameters are all-gathered), so every rank must
+    run the same number of them: a rank whose share is shorter runs `filler` for the rest and does not count
+    its loss.
+    """
+
+    batches: list[torch.Tensor]
+    num_forwards: int
+    filler: torch.Tensor
+
+
+def validation_batches(
+    tokens: np.ndarray | None, micro_batch_size: int, rank: int, world: int
+) -> ValidationShard | None:
+    """Rank r's share of the complete validation micro-batches (every r-th one); None, on every rank, if
+    there is not one complete micro-batch. Every rank gets the same `tokens`, so all agree on the count."""
     if tokens is None:
-        return []
+        return None
     tokens = torch.from_numpy(tokens.astype(np.int64))  # (rows, T + 1); a copy: the object store's array is read-only
     batches = [tokens[i : i + micro_batch_size] for i in range(0, len(tokens) - micro_batch_size + 1, micro_batch_size)]
-    return batches[rank::world]
+    if not batches:
+        return None
+    return ValidationShard(batches[rank::world], num_forwards=math.ceil(len(batches) / world), filler=batches[0])
 
 
 @torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, step_fn: TrainStep, batches: list[torch.Tensor], device: torch.device
-) -> float | None:
-    """Mean validation loss over this rank's batches, averaged over all ranks."""
-    total = 0.0
+def evaluate(model: torch.nn.Module, step_fn: TrainStep, shard: ValidationShard, device: torch.device) -> float:
+    """Mean validation loss per token over every rank's batches (the same number of forwards on each rank)."""
+    loss_sum, num_tokens = 0.0, 0
     model.eval()
-    for tokens in batches:
-        tokens = tokens.to(device)
+    for i in range(shard.num_forwards):
+        counted = i < len(shard.batches)
+        tokens = (shard.batches[i] if counted else shard.filler).to(device)
         with step_fn.autocast():
             _, loss = model(tokens[:, :-1], tokens[:, 1:])
-        total += loss.item()
+        if counted:  # the model's loss is the mean over the batch's targets
+            loss_sum += loss.item() * tokens[:, 1:].numel()
+            num_tokens += tokens[:, 1:].numel()
     model.train()
-    total, count = _all_reduce([total, len(batches)], device)
-    return total / count if count else None
+    loss_sum, num_tokens = _all_reduce([loss_sum, num_tokens], device)
+    return loss_sum / num_tokens
 
 
 def resume_checkpoint(
@@ -203,6 +223,33 @@ def resume_checkpoint(
 def _append_history(run_dir: Path, record: dict) -> None:
     with (run_dir / HISTORY).open("a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def truncate_history(run_dir: Path, start_step: int) -> None:
+    """Drop the step records past `start_step` from history.jsonl, keeping every start record.
+
+    An attempt that failed after its last checkpoint logged steps the next attempt redoes: without this each
+    of them would appear twice. Rewritten through a temporary file, so a crash leaves the old or the new
+    history, never half of one.
+    """
+    path = run_dir / HISTORY
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a worker that died while writing it
+            logger.warning("dropping a broken line of %s: %.80s", path, line)
+            continue
+        if record.get("step", 0) <= start_step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return
+    temporary = path.with_name(f".{HISTORY}.{os.getpid()}.tmp")
+    temporary.write_text("".join(line + "\n" for line in kept))
+    os.replace(temporary, path)
 
 
 def _inject_failure(run_dir: Path, step: int) -> None:
@@ -319,7 +366,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * world * block_size
     micro_per_epoch = loop_config["num_train_blocks"] // world // tc.micro_batch_size
     train_shard = ray.train.get_dataset_shard("train")
-    val = validation_batches(loop_config["val_tokens"], tc.micro_batch_size, rank, world) or None
+    val = validation_batches(loop_config["val_tokens"], tc.micro_batch_size, rank, world)
     batches = micro_batches(
         train_shard, tc.micro_batch_size, device, tc.seed + rank, start_step * tc.grad_accum_steps, micro_per_epoch
     )
@@ -328,7 +375,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
     profiler = Profiler(tc.profile, tc.profile_steps, run_dir / "profile", rank, device)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _append_history(run_dir, {"event": "start", "start_step": start_step, "world_size": world, "time": time.time()})
+        truncate_history(run_dir, start_step)
+        _append_history(
+            run_dir,
+            {
+                "event": "start",
+                "start_step": start_step,
+                "world_size": world,
+                "tokens_per_step": tokens_per_step,
+                "time": time.time(),
+            },
+        )
         logger.info(
             "training %s (%.1fM params) on %d x %s, %s, compile=%s, from step %d to %d, %d tokens/step",
             config.model.init_from or config.model.preset,
@@ -396,10 +453,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 [peak_mem], device, dist.ReduceOp.MAX if dist.is_initialized() else None
             )
         if do_eval:
-            val_loss = evaluate(train_model, step_fn, val, device)
-            if val_loss is not None:
-                metrics["val_loss"] = val_loss
-                metrics["val_ppl"] = math.exp(min(val_loss, 50.0))
+            metrics["val_loss"] = evaluate(train_model, step_fn, val, device)
+            metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50.0))
         state = {"step": step, "tokens_seen": tokens_seen, "schedule_steps": schedule_steps}
         _report(metrics, do_checkpoint, rank, run_dir, model, step_fn, config, state, scalars)
         window_loss.zero_()

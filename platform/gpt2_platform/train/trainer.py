@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import ray.train
+import yaml
 from ray.train.torch import TorchTrainer
 
 from gpt2_platform import checkpoint as ckpt
@@ -23,7 +24,7 @@ from gpt2_platform.train.data import TOKENS_COLUMN, Datasets, build_datasets, fi
 from gpt2_platform.train.loading import model_config
 from gpt2_platform.train.loop import HISTORY, train_loop_per_worker
 from gpt2_platform.train.resources import cluster_room
-from gpt2_platform.train.resume import Resume, choose_checkpoint
+from gpt2_platform.train.resume import RUN_CONFIG, Resume, choose_checkpoint
 from gpt2_platform.train.step import lr_at
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,65 @@ def check_resume(config: Config, run_dir: Path) -> Resume | None:
             lr_at(tc.max_steps, config.optim, resume.schedule_steps),
             config.optim.min_lr,
         )
+    if tc.max_steps > resume.step:
+        keep_global_batch(config, yaml.safe_load((resume.directory / RUN_CONFIG).read_text()))
     return resume
+
+
+def keep_global_batch(config: Config, saved: dict) -> None:
+    """Keep the global batch of the run being resumed, whose saved config is `saved`, by changing
+    train.grad_accum_steps in `config`, unless train.global_batch_size was given.
+
+    On other workers or another micro-batch size, the same accumulation would change the tokens of
+    every optimizer step (and so the step the learning-rate schedule was tuned for). Where no whole
+    number of micro-batches makes the old batch, the nearest is taken and a warning says so.
+    """
+    tc, workers = config.train, config.scaling.num_workers
+    old_train = saved.get("train", {})
+    old_batch = old_train.get("global_batch_size") or (
+        old_train.get("micro_batch_size", tc.micro_batch_size)
+        * old_train.get("grad_accum_steps", 1)
+        * saved.get("scaling", {}).get("num_workers", 1)
+    )
+    block = config.data.block_size
+    if old_batch == tc.global_batch_size:
+        return
+    if config.global_batch_given:
+        logger.warning(
+            "train.global_batch_size=%d changes this run's global batch from %d sequences a step to %d",
+            tc.global_batch_size,
+            old_batch,
+            tc.global_batch_size,
+        )
+        return
+    per_micro_step = tc.micro_batch_size * workers
+    accum = max(1, round(old_batch / per_micro_step))
+    before = tc.grad_accum_steps
+    tc.grad_accum_steps, tc.global_batch_size = accum, accum * per_micro_step
+    if tc.global_batch_size == old_batch:
+        logger.info(
+            "train.grad_accum_steps %d -> %d keeps the run's %d sequences (%d tokens) per optimizer step on "
+            "%d worker(s) of train.micro_batch_size=%d",
+            before,
+            accum,
+            old_batch,
+            old_batch * block,
+            workers,
+            tc.micro_batch_size,
+        )
+    else:
+        logger.warning(
+            "the run trained on %d sequences (%d tokens) per optimizer step, which %d worker(s) of "
+            "train.micro_batch_size=%d cannot make; it goes on with %d (%d tokens, train.grad_accum_steps=%d). "
+            "Set train.global_batch_size to choose, or a micro-batch size that divides the old batch",
+            old_batch,
+            old_batch * block,
+            workers,
+            tc.micro_batch_size,
+            tc.global_batch_size,
+            tc.global_batch_size * block,
+            accum,
+        )
 
 
 def export_model(checkpoint_dir: Path, config: Config, target: Path) -> Path:
