@@ -87,3 +87,13 @@ def test_a_column_the_job_does_not_read_may_be_damaged(tmp_path: Path, model_dir
         pq.read_table(path, columns=["unused"])
     config = config_for(path, tmp_path / "out", model_dir)
     check_input(find_input_files([str(path)]), config)  # only the prompt column is read
+
+
+def test_duplicate_ids_are_named(tmp_path: Path, model_dir: Path):
+    from gpt2_platform.batch.inputs import check_input, find_input_files
+
+    path = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "a", "c", "b", "b"], "prompt": ["x"] * 6}), path)
+    config = config_for(path, tmp_path / "out", model_dir, "input.id_column=id")
+    with pytest.raises(ValueError, match=r"input column 'id' repeats ids: 'a' \(2 rows\), 'b' \(3 rows\); ids must"):
+        check_input(find_input_files([str(path)]), config)

@@ -107,6 +107,7 @@ def test_a_continuation_is_scored_given_its_context_and_a_cut_run_resumes(ray_cl
     output = tmp_path / "out"
     first = run_generation(score_config(path, output, model_dir, *extra))
     expected = read_output(output)
+    assert not (output / STAGING_NAME).exists()  # a finished output holds only its own files
     assert first["errors_by_kind"] == {
         "text_too_long": 1,
         "null_text": 1,
@@ -138,9 +139,10 @@ def test_a_continuation_is_scored_given_its_context_and_a_cut_run_resumes(ray_cl
     for row_id, row in rows.items():
         assert (row["log_likelihood"], row["error"]) == (expected[row_id]["log_likelihood"], expected[row_id]["error"])
     assert len({rows[i]["run_id"] for i in lost}) == 1 and resumed["perplexity"] == first["perplexity"]
+    assert not (output / STAGING_NAME).exists()
 
     # Generation into a scoring output, or scoring without the continuation, is another job: refused.
-    with pytest.raises(ValueError, match="different job.*task"):
+    with pytest.raises(ValueError, match=r"its rows are of task score \(log-likelihoods\), this run is task generate"):
         run_generation(score_config(path, output, model_dir, *extra, "task=generate", "input.continuation_column=null"))
     with pytest.raises(ValueError, match="different job.*continuation_column"):
         run_generation(score_config(path, output, model_dir, "input.prompt_column=context"))

@@ -136,10 +136,19 @@ def check_input(files: list[InputFile], config: GenerateConfig) -> None:
         ids = pa.chunked_array(chunks, pa.string())
         if ids.null_count:
             raise InputError(f"input column {columns.id_column!r} holds {ids.null_count} null ids; every row needs one")
-        unique = pc.unique(ids)
-        if len(unique) != len(ids):
+        counts = pc.value_counts(ids)
+        repeated = counts.filter(pc.greater(counts.field("counts"), 1))
+        if len(repeated):
+            shown = ", ".join(
+                f"{value!r} ({count} rows)"
+                for value, count in zip(
+                    repeated.field(0)[:5].to_pylist(), repeated.field(1)[:5].to_pylist(), strict=True
+                )
+            )
+            more = f" and {len(repeated) - 5} more" if len(repeated) > 5 else ""
             raise InputError(
-                f"input column {columns.id_column!r} holds {len(ids) - len(unique)} duplicate ids; ids must be unique"
+                f"input column {columns.id_column!r} repeats ids: {shown}{more}; ids must be unique: remove or "
+                "renumber the repeated rows, or unset input.id_column to derive ids from file and row"
             )
     else:
         names = [os.path.basename(f.path) for f in files]

@@ -86,11 +86,19 @@ def _shown(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+_TASK_ROWS = {"generate": "completions", "score": "log-likelihoods"}
+
+
 def identity_changes(previous: dict[str, Any], identity: dict[str, Any]) -> list[str]:
     """What differs between two job identities, one entry per field ('model_files.model.safetensors: ...')."""
     changes = []
     for key in sorted(set(previous) | set(identity)):
         was, now = previous.get(key), identity.get(key)
+        if key == "task":  # recorded for task score only (batch/generate.py): without it, the rows are completions
+            was, now = was or "generate", now or "generate"
+            if was != now:
+                changes.append(f"its rows are of task {was} ({_TASK_ROWS[was]}), this run is task {now}")
+            continue
         if was == now:
             continue
         if isinstance(was, dict) and isinstance(now, dict):
@@ -239,6 +247,10 @@ def commit_staged(directory: Path, done: set[str], columns: Sequence[str] = OUTP
             done.update(ids[i] for i in fresh)
             num_rows += len(fresh)
         shutil.rmtree(run_dir, ignore_errors=True)
+    try:  # a finished output holds only its own files; a run that follows makes the folder again
+        staging.rmdir()
+    except OSError:
+        pass  # not empty: something not ours was put there, and is left for its owner
     return num_rows
 
 
