@@ -23,11 +23,13 @@ activation dtype, as cuBLAS does, and residual adds are done on the rounded valu
 `GEMV_MAX_BATCH` the residual is added inside the GEMM's fp32 sum and the bias after the rounding.
 
 The kernels run on CUDA, and in Triton's interpreter on CPU (`TRITON_INTERPRET=1`), which the tests
-use to check them against the model on a machine without a GPU.
+use to check them against the model on a machine without a GPU. Their Triton sources are in
+`kernels_jit.py`, imported on the first launch, so that importing the engine does not import Triton.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -36,15 +38,20 @@ import torch.nn.functional as F
 
 from gpt2_platform.model import activate
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU build of torch does not bring triton; the engine then keeps the torch path
-    triton = None
-
 
 def available() -> bool:
-    return triton is not None
+    """Whether Triton is installed (the CPU build of torch does not bring it; the engine then keeps the torch
+    path). Asked without importing it: see `_jit`."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _jit():
+    """The kernels' Triton sources, imported on the first launch rather than with the engine: a worker that
+    never launches one (any CPU engine outside the tests' interpreter) then never loads Triton, whose native
+    bindings print leak reports when such a process exits."""
+    from gpt2_platform.engine import kernels_jit
+
+    return kernels_jit
 
 
 # `ln_linear`'s activation codes, by `GPT2Config.activation` (0 is none).
@@ -59,251 +66,6 @@ def unsupported(config) -> str | None:
     return None
 
 
-if triton is not None:
-
-    @triton.jit
-    def _tanh(x):
-        # tanh from exp: libdevice's is not there in the interpreter. Stable for large |x| (exp -> inf gives 1).
-        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-    @triton.jit
-    def _ln_linear_kernel(
-        x_ptr,  # (B, K) activations, row stride K
-        ln_w_ptr,  # (K,) or None
-        ln_b_ptr,
-        w_ptr,  # (N, K) weight, nn.Linear layout
-        bias_ptr,  # (N,) or None
-        res_ptr,  # (B, N) residual, or None; may be out_ptr itself
-        out_ptr,  # (B, N)
-        N,
-        eps,
-        K: tl.constexpr,
-        LN: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        ACTIVATION: tl.constexpr,  # 0: none; else an index in _ACTIVATION_CODES
-        RESIDUAL: tl.constexpr,
-        PDL: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        # One row (grid axis 1) and BLOCK_N output columns (axis 0) a program.
-        row = tl.program_id(1).to(tl.int64)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
-        ks = tl.arange(0, BLOCK_K)
-        # The first block of weights before waiting: it does not depend on the kernel before this one, so
-        # under programmatic dependent launch its load overlaps that kernel's last microseconds.
-        w_first = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K), other=0.0)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # the previous kernel's writes (our input) are visible from here on
-            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start loading its own weights
-        x_row = x_ptr + row * K
-        dtype = out_ptr.dtype.element_ty
-        if LN:
-            # Two passes over the row (K values, cached in L1/L2): the mean, then the variance.
-            total = 0.0
-            for k0 in tl.static_range(0, K, BLOCK_K):
-                xk = tl.load(x_row + k0 + ks, mask=k0 + ks < K, other=0.0)
-                total += tl.sum(xk.to(tl.float32), axis=0)
-            mean = total / K
-            sq = 0.0
-            for k0 in tl.static_range(0, K, BLOCK_K):
-                k_ok = k0 + ks < K
-                xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-                centred = tl.where(k_ok, xk - mean, 0.0)
-                sq += tl.sum(centred * centred, axis=0)
-            rstd = 1.0 / tl.sqrt(sq / K + eps)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            k_ok = k0 + ks < K
-            if k0 == 0:
-                w = w_first
-            else:
-                w = tl.load(w_rows + k0 + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            xk = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0)
-            if LN:
-                g = tl.load(ln_w_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-                beta = tl.load(ln_b_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-                # The layer norm's output, rounded to the activation dtype as the model's is.
-                xk = tl.where(k_ok, (xk.to(tl.float32) - mean) * rstd * g + beta, 0.0).to(dtype)
-            acc += tl.sum(xk.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
-        if HAS_BIAS:
-            acc += bias
-        if ACTIVATION != 0:
-            # On the rounded linear output, as the model's activation sees it.
-            h = acc.to(dtype).to(tl.float32)
-            if ACTIVATION == 1:  # GPT-2's GELU, tanh approximation
-                acc = 0.5 * h * (1.0 + _tanh(0.7978845608028654 * (h + 0.044715 * h * h * h)))
-            elif ACTIVATION == 2:  # exact GELU
-                acc = 0.5 * h * (1.0 + tl.erf(h * 0.7071067811865476))
-            elif ACTIVATION == 3:
-                acc = tl.maximum(h, 0.0)
-            else:  # SiLU
-                acc = h / (1.0 + tl.exp(-h))
-        out_offsets = row * N + cols
-        if RESIDUAL:
-            res = tl.load(res_ptr + out_offsets, mask=col_ok, other=0.0).to(tl.float32)
-            acc = res + acc.to(dtype).to(tl.float32)
-        tl.store(out_ptr + out_offsets, acc.to(dtype), mask=col_ok)
-
-    @triton.jit
-    def _decode_attention_kernel(
-        qkv_ptr,  # (B, 3C): this step's queries, keys and values
-        kv_ptr,  # the layer's cache (slots, 2, H, T, D)
-        pos_ptr,  # (B,) each row's position
-        out_ptr,  # (B, C)
-        scale,
-        stride_slot,
-        stride_kv,
-        stride_head,
-        H: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        PDL: tl.constexpr,
-        STAGES: tl.constexpr = 0,
-    ):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        if PDL:  # everything read here comes from the kernels before: wait for them first
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        C: tl.constexpr = H * D
-        d = tl.arange(0, D)
-        pos = tl.load(pos_ptr + b)
-        row = qkv_ptr + b.to(tl.int64) * 3 * C + h * D
-        q = tl.load(row + d).to(tl.float32) * scale
-        k_new = tl.load(row + C + d)
-        v_new = tl.load(row + 2 * C + d)
-        keys = kv_ptr + b.to(tl.int64) * stride_slot + h * stride_head
-        values = keys + stride_kv
-        # The step's own key and value: stored for later steps, and used here from registers.
-        tl.store(keys + pos * D + d, k_new)
-        tl.store(values + pos * D + d, v_new)
-        m = tl.sum(q * k_new.to(tl.float32), axis=0)  # running max of the scores, starting with our own
-        total = 1.0  # running sum of exp(score - m)
-        acc = v_new.to(tl.float32)
-        # Positions before ours, from the cache: online softmax over blocks of BLOCK_T positions. With STAGES,
-        # a `tl.range` loop that Triton software-pipelines (the next block's loads issued before this block's
-        # arithmetic); without, a while loop, as Triton's interpreter takes no loaded value as a `range` bound.
-        if STAGES > 0:
-            for t0 in tl.range(0, pos, BLOCK_T, num_stages=STAGES):
-                m, total, acc = _attend_block(keys, values, q, d, t0, pos, m, total, acc, D, BLOCK_T)
-        else:
-            t0 = 0
-            while t0 < pos:
-                m, total, acc = _attend_block(keys, values, q, d, t0, pos, m, total, acc, D, BLOCK_T)
-                t0 += BLOCK_T
-        tl.store(out_ptr + b.to(tl.int64) * C + h * D + d, (acc / total).to(out_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _attend_block(keys, values, q, d, t0, pos, m, total, acc, D: tl.constexpr, BLOCK_T: tl.constexpr):
-        """One block of positions [t0, t0 + BLOCK_T) below `pos` folded into the running (max, sum, values)."""
-        t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = t < pos
-        offsets = t.to(tl.int64)[:, None] * D + d[None, :]
-        k = tl.load(keys + offsets, mask=t_ok[:, None], other=0.0).to(tl.float32)
-        scores = tl.where(t_ok, tl.sum(k * q[None, :], axis=1), float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        p = tl.exp(scores - m_new)
-        alpha = tl.exp(m - m_new)
-        v = tl.load(values + offsets, mask=t_ok[:, None], other=0.0).to(tl.float32)
-        return m_new, total * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p[:, None] * v, axis=0)
-
-    @triton.jit
-    def _cache_write_kernel(
-        k_ptr,  # (N, H, D) any strides: the tokens' keys
-        v_ptr,
-        kv_ptr,  # the layer's cache (slots, 2, H, T, D), contiguous
-        slot_ptr,  # (N,) each token's slot
-        pos_ptr,  # (N,) each token's position
-        stride_kn,
-        stride_kh,
-        stride_vn,
-        stride_vh,
-        stride_slot,
-        stride_kv,
-        stride_head,
-        H: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        n = tl.program_id(0)
-        i = tl.arange(0, BLOCK)  # (head, dim) of this token, flattened
-        ok = i < H * D
-        h, d = i // D, i % D
-        slot = tl.load(slot_ptr + n).to(tl.int64)
-        pos = tl.load(pos_ptr + n).to(tl.int64)
-        k = tl.load(k_ptr + n.to(tl.int64) * stride_kn + h * stride_kh + d, mask=ok)
-        v = tl.load(v_ptr + n.to(tl.int64) * stride_vn + h * stride_vh + d, mask=ok)
-        target = kv_ptr + slot * stride_slot + h * stride_head + pos * D + d
-        tl.store(target, k, mask=ok)
-        tl.store(target + stride_kv, v, mask=ok)
-
-    @triton.jit
-    def _add_layer_norm_kernel(
-        x_ptr,  # (B, C) the residual stream, updated in place when there is a bias
-        bias_ptr,  # (C,) a linear's bias still to be added to x, or None
-        ln_w_ptr,
-        ln_b_ptr,
-        y_ptr,  # (B, C) out: layer_norm(x)
-        eps,
-        C: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.arange(0, BLOCK_C)
-        c_ok = c < C
-        dtype = x_ptr.dtype.element_ty
-        if PDL:  # x comes from the GEMM before: wait for it before reading (or writing) it
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        x = tl.load(x_ptr + row * C + c, mask=c_ok, other=0.0)
-        if HAS_BIAS:
-            # The bias the GEMM before left out (it added the residual instead), rounded as a residual add is.
-            x = (x.to(tl.float32) + tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(tl.float32)).to(dtype)
-            tl.store(x_ptr + row * C + c, x, mask=c_ok)
-        xf = x.to(tl.float32)
-        mean = tl.sum(xf, axis=0) / C
-        centred = tl.where(c_ok, xf - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / C + eps)
-        g = tl.load(ln_w_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        beta = tl.load(ln_b_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * C + c, (centred * rstd * g + beta).to(dtype), mask=c_ok)
-
-    @triton.jit
-    def _embed_kernel(
-        staged_ptr,  # (4, S): token, position, step, fed
-        tokens_ptr,  # (S,) what the previous step left
-        positions_ptr,
-        steps_ptr,
-        current_ptr,  # (3, S) out: this step's token, position and step per row
-        wte_ptr,
-        wpe_ptr,
-        x_ptr,  # (B, C) out
-        S,
-        C: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        b = tl.program_id(0)
-        fed = tl.load(staged_ptr + 3 * S + b) != 0
-        token = tl.where(fed, tl.load(staged_ptr + b), tl.load(tokens_ptr + b))
-        position = tl.where(fed, tl.load(staged_ptr + S + b), tl.load(positions_ptr + b))
-        step = tl.where(fed, tl.load(staged_ptr + 2 * S + b), tl.load(steps_ptr + b))
-        tl.store(current_ptr + b, token)
-        tl.store(current_ptr + S + b, position)
-        tl.store(current_ptr + 2 * S + b, step)
-        c = tl.arange(0, BLOCK_C)
-        c_ok = c < C
-        tok_emb = tl.load(wte_ptr + token * C + c, mask=c_ok, other=0.0)
-        pos_emb = tl.load(wpe_ptr + position * C + c, mask=c_ok, other=0.0)
-        tl.store(x_ptr + b.to(tl.int64) * C + c, tok_emb + pos_emb, mask=c_ok)
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -316,8 +78,8 @@ def pdl_supported(device: torch.device) -> bool:
     one before is finishing, loads its weights, then waits for its input (`gdc_wait`).
     """
     return (
-        triton is not None
-        and device.type == "cuda"
+        device.type == "cuda"
+        and available()
         and torch.cuda.get_device_capability(device)[0] >= 9
         and not os.environ.get("TRITON_INTERPRET")
     )
@@ -373,9 +135,9 @@ def ln_linear(
         out = torch.empty(batch, n, dtype=x.dtype, device=x.device)
     config = dict(config or linear_config(n, k))
     num_warps = config.pop("num_warps")
-    grid = (triton.cdiv(n, config["BLOCK_N"]), batch)
+    grid = ((n + config["BLOCK_N"] - 1) // config["BLOCK_N"], batch)
     ln_w, ln_b, eps = ln if ln is not None else (None, None, 0.0)
-    _ln_linear_kernel[grid](
+    _jit().ln_linear_kernel[grid](
         x,
         ln_w,
         ln_b,
@@ -412,7 +174,7 @@ def write_cache(
     tokens, heads, head_dim = k.shape
     assert kv.is_contiguous() and kv.shape[1] == 2 and k.stride(2) == 1 and v.stride(2) == 1
     assert slots.is_contiguous() and positions.is_contiguous(), "one slot and one position a token, contiguous"
-    _cache_write_kernel[(tokens,)](
+    _jit().cache_write_kernel[(tokens,)](
         k,
         v,
         kv,
@@ -466,7 +228,7 @@ def decode_attention(
         num_stages = 2 if batch >= 256 else 0
     assert two == 2 and kv.is_contiguous() and qkv.is_contiguous() and qkv.shape[1] == 3 * heads * head_dim
     out = torch.empty(batch, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    _decode_attention_kernel[(batch, heads)](
+    _jit().decode_attention_kernel[(batch, heads)](
         qkv,
         kv,
         positions,
@@ -499,7 +261,7 @@ def add_layer_norm(
     assert x.is_contiguous()
     ln_w, ln_b, eps = ln
     y = torch.empty_like(x)
-    _add_layer_norm_kernel[(batch,)](
+    _jit().add_layer_norm_kernel[(batch,)](
         x,
         bias,
         ln_w,
@@ -534,7 +296,7 @@ def embed(
     width = wte.shape[1]
     current = torch.empty(3, slots, dtype=tokens.dtype, device=tokens.device)
     x = torch.empty(batch, width, dtype=wte.dtype, device=wte.device)
-    _embed_kernel[(batch,)](
+    _jit().embed_kernel[(batch,)](
         staged, tokens, positions, steps, current, wte, wpe, x, slots, C=width, BLOCK_C=_pow2(width), num_warps=4
     )
     return x, current
