@@ -147,25 +147,28 @@ def test_nan_loss_stops_the_run_without_a_checkpoint(ray_cluster, corpus, tmp_pa
     assert all(step < bad_step for step in saved), f"checkpoints {saved} include the broken step {bad_step}"
 
 
-def validation_loss(model_dir: Path, config) -> tuple[float, int]:
-    """What training's evaluation of `config` should give for these weights, computed in one process: the
-    cross-entropy over every target of the whole validation micro-batches shipped to the workers; and how
-    many micro-batches those are."""
-    import torch.nn.functional as F
-
-    from gpt2_platform.checkpoint import load_pretrained
+def shipped_validation_blocks(config) -> torch.Tensor:
+    """The whole validation micro-batches a run of `config` ships to its workers, rebuilt from the seeded split."""
     from gpt2_platform.train.data import build_datasets
     from gpt2_platform.train.trainer import validation_tokens
 
     tc, workers = config.train, config.scaling.num_workers
     datasets = build_datasets(config.data, 257, tc.micro_batch_size * workers)
     blocks = torch.from_numpy(validation_tokens(datasets, tc.eval_batches * tc.micro_batch_size * workers))
-    blocks = blocks[: len(blocks) // tc.micro_batch_size * tc.micro_batch_size].long()
+    return blocks[: len(blocks) // tc.micro_batch_size * tc.micro_batch_size].long()
+
+
+def validation_loss(model_dir: Path, blocks: torch.Tensor) -> float:
+    """What training's evaluation should give for these weights, computed in one process: the cross-entropy
+    over every target of the blocks."""
+    import torch.nn.functional as F
+
+    from gpt2_platform.checkpoint import load_pretrained
+
     model = load_pretrained(str(model_dir)).eval()
     with torch.no_grad():
         logits = model(blocks[:, :-1])[0]  # (B, T, vocab)
-        loss = F.cross_entropy(logits.flatten(0, 1).double(), blocks[:, 1:].flatten()).item()
-    return loss, len(blocks) // tc.micro_batch_size
+        return F.cross_entropy(logits.flatten(0, 1).double(), blocks[:, 1:].flatten()).item()
 
 
 # Of the session corpus's 8,181 blocks of 32 tokens, 29 held out: 3 whole micro-batches of 8 (and 5 blocks
@@ -183,14 +186,14 @@ def test_an_fsdp_run_evaluates_an_uneven_validation_set_resumes_on_fewer_workers
 
     from gpt2_platform import checkpoint
 
-    overrides = ["scaling.strategy=fsdp", "train.checkpoint_every=3", "train.eval_every=3", *UNEVEN_VALIDATION]
+    overrides = ["scaling.strategy=fsdp", "train.checkpoint_every=3", "train.eval_every=0", *UNEVEN_VALIDATION]
     config = tiny_config(corpus, tmp_path, *overrides, "scaling.num_workers=2", "train.max_steps=6")
     first = fit(config)
     assert optimizer_steps(first.checkpoint_dir) == 6
     # Two workers' validation loss is one process's over the same blocks: each token counted once.
-    reference, num_batches = validation_loss(first.checkpoint_dir, config)
-    assert num_batches == 3, f"{num_batches} validation micro-batches: fix UNEVEN_VALIDATION for this corpus"
-    assert first.metrics["val_loss"] == pytest.approx(reference, rel=1e-5)
+    blocks = shipped_validation_blocks(config)
+    assert len(blocks) == 3 * 8, f"{len(blocks)} validation blocks: fix UNEVEN_VALIDATION for this corpus"
+    assert first.metrics["val_loss"] == pytest.approx(validation_loss(first.checkpoint_dir, blocks), rel=1e-5)
 
     # The same run on one worker: the gathered checkpoint (weights and optimizer state by parameter name)
     # is sharded again over however many workers there are, and the run keeps its global batch.
@@ -202,7 +205,7 @@ def test_an_fsdp_run_evaluates_an_uneven_validation_set_resumes_on_fewer_workers
     assert optimizer_steps(again.checkpoint_dir) == 8, "no optimizer step repeated or skipped"
     records = [r for r in history(again.run_dir) if "loss" in r]
     assert records[-1]["loss"] < records[0]["loss"], "the resumed run should keep learning"
-    assert again.metrics["val_loss"] == pytest.approx(validation_loss(again.model_dir, config)[0], rel=1e-5)
+    assert again.metrics["val_loss"] == pytest.approx(validation_loss(again.model_dir, blocks), rel=1e-5)
 
     ids = torch.tensor([list(b"alice has 3 apples. bob gives")])
     theirs = AutoModelForCausalLM.from_pretrained(again.model_dir).eval()
