@@ -64,10 +64,11 @@ def test_perplexity_on_a_runs_validation_blocks_is_the_training_jobs_validation_
 
 
 def test_perplexity_on_held_out_text_is_the_training_codes_evaluate_of_its_blocks(trained, tmp_path: Path):
-    held_out = demo_data.write_jsonl(tmp_path / "held_out.jsonl", num_stories=60, seed=123)
+    # More stories than one read batch (256 documents): the stream is packed whole, its tail dropped once.
+    held_out = demo_data.write_jsonl(tmp_path / "held_out.jsonl", num_stories=300, seed=123)
     result = run_evaluate(tmp_path, "--model", str(trained.model_dir), "--data", str(held_out), "--block-size", "48")
 
-    # The blocks training's packing makes of the stories, and training's evaluate() of them, one block a batch.
+    # The blocks training's packing makes of all the stories at once, and training's evaluate() of them.
     stories = [json.loads(line)["text"] for line in held_out.read_text().splitlines()]
     blocks = TokenizeAndPack(str(trained.model_dir), 48)({"text": np.array(stories, object)})["tokens"]
     model = load_pretrained(trained.model_dir, device=torch.device("cpu"))

@@ -1,8 +1,8 @@
 """Evaluation of a checkpoint on held-out text: perplexity and bits per byte, through the scoring path.
 
-The text is read, tokenized and packed exactly as training's data pipeline does it (train/data.py:
-`read_documents`, then `TokenizeAndPack` into blocks of block_size + 1 tokens over documents joined by
-end-of-text), and each block is one scored engine request (score.py) on engine actors under Ray Data:
+The text is read and tokenized as training's data pipeline does it (train/data.py: `read_documents`,
+then `TokenizeAndPack`'s tokens over documents joined by end-of-text), packed into blocks of block_size + 1
+tokens over the whole stream (training packs each read batch apart), and each block is one scored engine request (score.py) on engine actors under Ray Data:
 every position of the block predicts the next token, as the training loss does with inputs block[:-1]
 and targets block[1:]. So on the same blocks, with the same tokenizer and block size, the perplexity is
 the training job's validation perplexity: training's validation loss is a mean over micro-batches of
@@ -42,9 +42,8 @@ from gpt2_platform.train.data import TOKENS_COLUMN
 
 logger = logging.getLogger(__name__)
 
-PACK_BATCH_DOCUMENTS = 256
-"""Documents tokenized and packed together: train/data.py build_datasets' batch size, which decides where
-blocks fall, so the same text makes the same blocks here as there."""
+TOKENIZE_BATCH_DOCUMENTS = 256
+"""Documents tokenized together by one Ray Data task; their tokens are packed over the whole stream."""
 PROGRESS_EVERY_S = 10.0
 
 
@@ -177,7 +176,7 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
     from gpt2_platform.batch.generate import connect_and_plan_actors
     from gpt2_platform.batch.inputs import InputError
     from gpt2_platform.train.config import DataConfig
-    from gpt2_platform.train.data import TokenizeAndPack, files_by_format, read_documents
+    from gpt2_platform.train.data import files_by_format, read_documents
 
     started = time.perf_counter()
     model_dir = checkpoint.resolve(config.model.path)
@@ -234,10 +233,8 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
             source = f"the validation blocks of the training run {config.data.validation_of}"
         else:
             assert data is not None
-            documents = read_documents(data)
-            blocks = documents.map_batches(
-                TokenizeAndPack(data.tokenizer, block_size), batch_size=PACK_BATCH_DOCUMENTS, batch_format="numpy"
-            )
+            blocks = ray.data.from_numpy(_pack_stream(read_documents(data), data.tokenizer, block_size))
+            blocks = blocks.rename_columns({"data": TOKENS_COLUMN})
             source = ", ".join(config.data.paths)
         logger.info("scoring blocks of %d + 1 tokens from %s with %d actor(s)", block_size, source, num_actors)
         scores = blocks.map_batches(
@@ -277,6 +274,21 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
         "wall_s": round(wall_s, 3),
         "tokens_per_s": round(tokens / wall_s, 1),
     }
+
+
+def _pack_stream(documents, tokenizer: str, block_size: int) -> np.ndarray:
+    """Blocks of block_size + 1 tokens over the whole stream of documents (joined by end-of-text), the tail
+    shorter than a block dropped once: packing per read batch would drop a tail per batch."""
+    from gpt2_platform.train.data import TokenizeAndPack
+
+    # Blocks of one token are a batch's whole stream, in order, with nothing dropped.
+    tokenized = documents.map_batches(
+        TokenizeAndPack(tokenizer, 0), batch_size=TOKENIZE_BATCH_DOCUMENTS, batch_format="numpy"
+    )
+    parts = [batch[TOKENS_COLUMN].ravel() for batch in tokenized.iter_batches(batch_size=None, batch_format="numpy")]
+    stream = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    width = block_size + 1
+    return stream[: len(stream) // width * width].reshape(-1, width)
 
 
 def _sum_scores(batches: Iterator[dict[str, np.ndarray]]) -> dict[str, Any]:
