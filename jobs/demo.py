@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sys
 import time
@@ -21,13 +22,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "platform"))
 
-from gpt2_platform import demo_data  # noqa: E402
+from gpt2_platform import demo_data, quiet  # noqa: E402
 from gpt2_platform.jobs_common import run_main  # noqa: E402
 from gpt2_platform.train import config as config_lib  # noqa: E402
 
 logger = logging.getLogger("demo")
 
-PROMPT = "carol has 4 pens. bob gives carol 3 pens. now carol has"
+# A story cut before its second count: what follows is set by the story's frame, who was given and what,
+# and the sum; a tiny model learns the first two well before the sums.
+PROMPT = "carol has 4 pens. bob gives carol 3"
+EXPECTED = " pens. now carol has 7 pens."
+TRAIN_STEPS = 600
+"""Long enough for the tiny model to carry the name and the thing through a story (tiny.yaml's 300 are not)."""
 
 
 def banner(text: str) -> None:
@@ -37,7 +43,8 @@ def banner(text: str) -> None:
 def tiny_config() -> config_lib.Config:
     corpus = demo_data.write_text(ROOT / "data" / "demo" / "corpus.txt", num_stories=20000)
     return config_lib.load(
-        ROOT / "jobs" / "configs" / "tiny.yaml", [f"data.paths=[{corpus}]", f"run.storage_path={ROOT / 'runs'}"]
+        ROOT / "jobs" / "configs" / "tiny.yaml",
+        [f"data.paths=[{corpus}]", f"run.storage_path={ROOT / 'runs'}", f"train.max_steps={TRAIN_STEPS}"],
     )
 
 
@@ -97,12 +104,15 @@ def evaluate(before: Path, after: Path, block_size: int) -> None:
     banner(f"evaluating on held-out stories ({held_out}): blocks of {block_size} + 1 tokens, as training packs them")
     for label, model_dir in (("before fine-tuning:", before), ("after fine-tuning:", after)):
         overrides = [f"model.path={model_dir}", f"data.paths=[{held_out}]", f"data.block_size={block_size}"]
-        result = run_evaluation(load(None, [*overrides, "progress_bars=false"]))
+        result = run_evaluation(load(None, overrides))
         print(
             f"{label:<20} perplexity {result['perplexity']:7.3f}, {result['bits_per_byte']:.3f} bits per byte "
             f"({result['scored_tokens']} tokens in {result['wall_s']:.1f} s)"
         )
-    print(f"the same from the command line: python jobs/evaluate.py --model {after} --data {held_out}")
+    print(
+        "the same from the command line: "
+        f"python jobs/evaluate.py --model {after} --data {held_out} --block-size {block_size}"
+    )
 
 
 def complete(model_dir: Path) -> None:
@@ -117,9 +127,10 @@ def complete(model_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    completion = tokenizer.decode(out[0, ids.shape[1] :])
+        out = model.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    completion = tokenizer.decode(out[0, ids.shape[1] :]).split("\n")[0]  # the story, not the next one
     print(f"prompt:     {PROMPT!r}\ncompletion: {completion!r}")
+    print(f"the story:  {EXPECTED!r} (frame, name and thing come first in training; the sums much later)")
 
 
 def serve_and_query(model_dir: Path) -> None:
@@ -134,22 +145,23 @@ def serve_and_query(model_dir: Path) -> None:
     from gpt2_platform.serve.schemas import AppArgs
 
     banner("serving it with Ray Serve (OpenAI-compatible HTTP)")
+    quiet.quiet_serve_driver()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet.SERVE_LOGGING)
     try:
         start = time.perf_counter()
         engine = EngineConfig(max_batch_size=8, max_seq_len=256)
         args = AppArgs(model=str(model_dir), served_model_name="demo-tiny", engine=engine)
-        serve.run(build_app(args), name="demo", route_prefix="/")
+        serve.run(build_app(args), name="demo", route_prefix="/", logging_config=quiet.SERVE_LOGGING)
         url = f"http://127.0.0.1:{port}"
         print(f"app ready at {url} in {time.perf_counter() - start:.1f} s (engine warmed before it reported healthy)")
         with httpx.Client(base_url=url, timeout=60) as client:
             for prompt in (PROMPT, "ivan has 2 keys. judy gives ivan 5 keys. now"):
                 start = time.perf_counter()
-                body = {"model": "demo-tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+                body = {"model": "demo-tiny", "prompt": prompt, "max_tokens": 32, "temperature": 0, "stop": ["\n"]}
                 reply = client.post("/v1/completions", json=body).json()
                 print(
                     f"POST /v1/completions {prompt!r} -> {reply['choices'][0]['text']!r} "
@@ -180,7 +192,9 @@ def serve_and_query(model_dir: Path) -> None:
             ).json()
             print(f"POST /generate -> {reply['generated_text']!r} ({1000 * reply['inference_time']:.0f} ms)")
     finally:
-        serve.shutdown()
+        # Not serve.shutdown(): Serve's controller ends by being killed while its caller still waits on it,
+        # and Ray logs that call's failure. The controller and proxy use no CPU, and stop with Ray at exit.
+        serve.delete("demo")
         print("app shut down")
 
 
@@ -216,6 +230,9 @@ def batch_generate(model_dir: Path) -> None:
 
 
 def main() -> int:
+    if os.environ.get(quiet.RELAYED_VAR) != "1":
+        return quiet.run_relaying_stderr([sys.executable, __file__, *sys.argv[1:]])
+
     def run() -> None:
         config = tiny_config()
         model_dir = train(config)

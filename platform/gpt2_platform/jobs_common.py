@@ -8,6 +8,8 @@ import argparse
 import logging
 from collections.abc import Callable
 
+from gpt2_platform.quiet import quiet_ray
+
 logger = logging.getLogger(__name__)
 
 # Errors that mean "the input was wrong": one clear line and exit status 2, no traceback.
@@ -34,6 +36,7 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 def run_main(run: Callable[[], None]) -> int:
     """Run an entry point; user errors print `error: ...` and return 2."""
+    quiet_ray()  # before Ray starts: its workers inherit the settings
     configure_logging()
     try:
         run()
