@@ -21,7 +21,6 @@ import asyncio
 import logging
 import os
 import sys
-import threading
 import time
 from typing import Any
 
@@ -38,10 +37,6 @@ from gpt2_platform.serve.metrics import ServeMetrics
 from gpt2_platform.worker_process import configure_worker_logging, process_age_s
 
 logger = logging.getLogger(__name__)
-
-# How long a replica whose engine process died lives on: long enough for the replies that end its pending
-# `generate` calls (with the engine's error) to leave, so those callers read why rather than "actor died".
-_EXIT_AFTER_ENGINE_S = 0.5
 
 
 @serve.deployment(health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=30)
@@ -81,13 +76,10 @@ class GPT2Engine:
 
     def _engine_exited(self, why: str) -> None:
         """On the engine process's reader thread, the moment the engine process is gone: end this replica."""
-        logger.error(
-            "engine for %s failed (%s): this replica exits in %.1f s for Serve to replace it",
-            self.model_name,
-            why,
-            _EXIT_AFTER_ENGINE_S,
-        )
-        threading.Timer(_EXIT_AFTER_ENGINE_S, _exit_process).start()
+        # At once: any call that reached this replica from now on would fail with a traceback in its log. The
+        # pending `generate` calls end with Ray's "actor died", which their callers turn into a 503.
+        logger.error("engine for %s failed (%s): this replica exits for Serve to replace it", self.model_name, why)
+        _exit_process()
 
     def connect(self, address: Address, authkey: bytes) -> None:
         """Open a token link to the ingress at `address` (nothing if there is one already)."""
@@ -171,7 +163,7 @@ def _exit_process() -> None:
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
     except Exception as error:  # not as an actor (a test), or Ray is going away: exit all the same
         logger.warning("could not end this replica through Ray (%r); exiting its process", error)
-        os._exit(1)  # not sys.exit: this is a timer thread, and Ray's worker loop holds the main one
+        os._exit(1)  # not sys.exit: this is the engine's reader thread, and Ray's worker loop holds the main one
 
 
 def _settle(future: asyncio.Future, event: Event) -> None:
