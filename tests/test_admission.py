@@ -3,9 +3,11 @@ budget, and a refusal's Retry-After is when enough of it should have drained."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from gpt2_platform.engine.admission import MAX_RETRY_AFTER_S, Admission, DrainRate, decide
+from gpt2_platform.engine.admission import MAX_RETRY_AFTER_S, Admission, DrainRate, Refusal, decide
 
 BUDGET = Admission(max_waiting=4096, max_wait_s=2.0)
 
@@ -14,7 +16,7 @@ def test_free_slots_and_no_queue_take_anything():
     assert decide(running=3, waiting=0, max_batch_size=8, drain_per_s=0.0, admission=BUDGET) is None
     # A request larger than the whole bound still runs on an idle engine.
     tight = Admission(max_waiting=1, max_wait_s=0.1)
-    assert decide(0, 0, 8, 0.0, tight, size=50) is None
+    assert decide(0, 0, 8, 0.0, dataclasses.replace(tight, size=50)) is None
 
 
 def test_a_queue_that_drains_within_the_budget_is_joined():
@@ -56,3 +58,13 @@ def test_drain_rate_counts_only_its_window():
     assert rate.per_s(now=11.5) == pytest.approx(200.0)
     assert rate.per_s(now=12.5) == pytest.approx(150.0)  # the first 100 left the window
     assert rate.per_s(now=20.0) == 0.0
+
+
+def test_a_refusal_travels_as_text_and_reads_back():
+    refusal = Refusal(7, "256 sequences running, 900 waiting")
+    assert refusal.text() == "256 sequences running, 900 waiting [retry after 7 s]"
+    assert Refusal.parse(refusal.text()) == refusal
+    assert Refusal.parse(f"the engine is busy ({refusal.text()})") == Refusal(
+        7, f"the engine is busy ({refusal.message})"
+    )
+    assert Refusal.parse("the engine failed") is None

@@ -608,7 +608,8 @@ def test_overload_gets_429_with_retry_after_from_limits_given_as_user_config(cli
     assert set(statuses) == {200, 429}, statuses
     assert statuses.count(200) >= 4, "the batch (4 slots) should be full before anyone is refused"
     refused = next(r for r in responses if r.status_code == 429)
-    assert refused.headers["Retry-After"] == "1"
+    # Computed from the engine's drain rate (engine/admission.py), in whole seconds.
+    assert 1 <= int(refused.headers["Retry-After"]) <= 30
     assert refused.json()["error"]["type"] == "rate_limit_error"
 
 

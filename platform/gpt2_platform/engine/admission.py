@@ -15,6 +15,7 @@ This module imports no torch: the ingress builds the policy, the engine process 
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections import deque
@@ -35,6 +36,9 @@ class Admission:
     """Hard bound on sequences waiting for a slot (memory), whatever the drain rate."""
     max_wait_s: float
     """The wait budget: take the sequence only if the queue ahead of it should drain within this."""
+    size: int = 1
+    """The sequences of the request this is the first of: all are taken, or none (the rest are sent
+    without an Admission, never refused)."""
 
 
 class DrainRate:
@@ -64,21 +68,34 @@ class DrainRate:
             self._in_window -= self._events.popleft()[1]
 
 
+_RETRY = re.compile(r" \[retry after (\d+) s\]")
+
+
 @dataclass(frozen=True)
 class Refusal:
     retry_after_s: int
     message: str
 
+    def text(self) -> str:
+        """The refusal as the one string an engine's refusal carries on every transport."""
+        return f"{self.message} [retry after {self.retry_after_s} s]"
 
-def decide(
-    running: int, waiting: int, max_batch_size: int, drain_per_s: float, admission: Admission, size: int = 1
-) -> Refusal | None:
-    """None to take `size` more sequences into an engine with `running` of `max_batch_size` slots busy and
+    @classmethod
+    def parse(cls, text: str) -> Refusal | None:
+        """The inverse of `text`, also where a transport wrapped it in words of its own; None for a text that
+        carries no retry time."""
+        match = _RETRY.search(text)
+        return cls(int(match.group(1)), text[: match.start()] + text[match.end() :]) if match else None
+
+
+def decide(running: int, waiting: int, max_batch_size: int, drain_per_s: float, admission: Admission) -> Refusal | None:
+    """None to take `admission.size` more sequences into an engine with `running` of `max_batch_size` slots busy and
     `waiting` queued; else why not and when to retry.
 
     An engine with free slots and no queue takes anything (a request larger than the queue still runs on
     an idle engine). Otherwise the last of the new sequences would wait for `waiting + size` admissions,
     which at the measured drain rate take (waiting + size) / rate seconds."""
+    size = admission.size
     if waiting == 0 and running + size <= max_batch_size:
         return None
     if running + waiting == 0:

@@ -414,10 +414,10 @@ class Engine:
             "max_batch_size_reason": self.max_batch_size_reason,
         }
 
-    def refusal(self, admission: Admission, size: int = 1) -> Refusal | None:
-        """None if `size` more sequences may join now under `admission` (engine/admission.py), else why not."""
+    def refusal(self, admission: Admission) -> Refusal | None:
+        """None if a request may join now under `admission` (engine/admission.py), else why not."""
         running = int(np.count_nonzero(self._occupant))
-        return decide(running, len(self._waiting), len(self._slots), self.drain.per_s(), admission, size)
+        return decide(running, len(self._waiting), len(self._slots), self.drain.per_s(), admission)
 
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 
+from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.requests import GenerationParams, TokenRecord
 
 logger = logging.getLogger(__name__)
@@ -112,9 +113,11 @@ class Link:
         self.closed = False
         self._lock = threading.Lock()
 
-    def submit(self, key: int, prompt_ids: list[int], params: GenerationParams, room: int | None) -> bool:
-        """Send a sequence to this engine; False if the link is gone. `room`: as GPT2Engine.generate's."""
-        return self._send(("submit", key, prompt_ids, params, room))
+    def submit(
+        self, key: int, prompt_ids: list[int], params: GenerationParams, admission: Admission | None
+    ) -> bool:
+        """Send a sequence to this engine; False if the link is gone. `admission`: as GPT2Engine.generate's."""
+        return self._send(("submit", key, prompt_ids, params, admission))
 
     def cancel(self, key: int) -> None:
         self._send(("cancel", key))

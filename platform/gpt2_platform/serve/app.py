@@ -38,6 +38,7 @@ from ray.serve.handle import DeploymentHandle
 from transformers import PreTrainedTokenizerBase
 
 from gpt2_platform import checkpoint, gc_pauses
+from gpt2_platform.engine.admission import Admission, Refusal
 from gpt2_platform.engine.detokenize import ByteTable
 from gpt2_platform.engine.requests import EngineDeadError, Event, GenerationParams, scoring_only
 from gpt2_platform.engine.sampling import SamplingParams
@@ -141,7 +142,7 @@ class GPT2Server:
             self.tokenizer,
             max_seq_len=args.engine.max_seq_len or model_config.n_positions,
             vocab_size=model_config.vocab_size,
-            capacity=lambda: args.engine.max_slots + self.limits.max_waiting,
+            admission=lambda: Admission(self.limits.max_waiting, self.limits.max_queue_wait_s),
         )
         self.metrics = ServeMetrics(self.model_name)
         self._bodies_in_flight = 0  # requests whose bodies are still arriving (autoscaling leaves them out)
@@ -443,10 +444,11 @@ class GPT2Server:
     async def _admit(self, jobs: list[Job], incremental_text: bool = True) -> Choices:
         """Submit the jobs and wait until each has its first event: a token, or the engine's refusal.
 
-        An engine holding max_batch_size running plus `max_waiting` waiting sequences refuses more,
-        and the request gets 429 with Retry-After at once instead of joining an unbounded queue. (A
-        request larger than that whole bound still runs on an idle engine.) Waiting for the first
-        events before answering lets a refusal or a failed engine still be a status code.
+        An engine with every slot busy takes a request while it should start within limits.max_queue_wait_s
+        at the rate slots have been freeing (and while fewer than limits.max_waiting wait); otherwise the
+        request gets 429 at once, with the Retry-After the engine computed from that rate
+        (engine/admission.py). A request larger than the whole bound still runs on an idle engine. Waiting
+        for the first events before answering lets a refusal or a failed engine still be a status code.
         """
         choices = Choices(self.engine, jobs, self.metrics, incremental_text)
         try:
@@ -458,10 +460,11 @@ class GPT2Server:
             return choices
         choices.cancel()
         if first.finish_reason == "refused":
-            retry_after = self.limits.retry_after_s
+            refusal = Refusal.parse(first.error or "") or Refusal(1, first.error or "")
+            retry_after = refusal.retry_after_s
             raise APIError(
                 429,
-                f"the server is busy: {first.error}; retry in {retry_after} s",
+                f"the server is busy: {refusal.message}; retry in {retry_after} s",
                 errors.RATE_LIMIT,
                 code="overloaded",
                 headers={"Retry-After": str(retry_after)},

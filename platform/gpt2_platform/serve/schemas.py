@@ -63,10 +63,13 @@ class ServeLimits(BaseModel):
     """Largest `max_tokens` a request may ask for."""
     default_max_tokens: int = Field(16, ge=1)
     """`max_tokens` when a request leaves it out (OpenAI's default is 16)."""
-    max_waiting: int = Field(64, ge=0)
-    """Sequences that may wait for a free engine slot; past max_batch_size + this, requests get 429."""
-    retry_after_s: int = Field(1, ge=1)
-    """The Retry-After header of a 429."""
+    max_queue_wait_s: float = Field(5.0, gt=0.0, le=600.0)
+    """The wait budget: an engine with no free slot takes a request only if, at the rate its slots have been
+    freeing, the request should start within this many seconds; past it, 429 with a Retry-After computed
+    from that rate (engine/admission.py). A client that goes away while it waits frees its place at once."""
+    max_waiting: int = Field(1024, ge=0)
+    """Hard bound on sequences waiting for a slot in one engine, whatever its rate: what bounds the memory
+    of the queue (prompts). Past it, requests get 429."""
     stream_interval_ms: float = Field(20.0, ge=0.0, le=1000.0)
     """Least time between two SSE chunks of one stream (the first and last go at once); 0: every token.
 
