@@ -240,12 +240,12 @@ def test_an_engine_without_autoscaling_needs_no_policy():
     "edit, match",
     [
         (
-            lambda engine: engine.update(max_ongoing_requests=96),
-            r"GPT2Engine\]\.max_ongoing_requests: 96 must exceed args\.engine\.max_batch_size \+ args\.limits\.max_waiting \(96\)",
+            lambda engine: engine.update(max_ongoing_requests=1056),
+            r"GPT2Engine\]\.max_ongoing_requests: 1056 must exceed args\.engine\.max_batch_size \+ args\.limits\.max_waiting \(1056\)",
         ),
         (
-            lambda engine: engine["autoscaling_config"].update(target_ongoing_requests=97),
-            r"GPT2Engine\]\.autoscaling_config\.target_ongoing_requests: 97 sequences per engine is more than one engine holds",
+            lambda engine: engine["autoscaling_config"].update(target_ongoing_requests=1057),
+            r"GPT2Engine\]\.autoscaling_config\.target_ongoing_requests: 1057 sequences per engine is more than one engine holds",
         ),
     ],
     ids=["max-ongoing-below-capacity", "target-beyond-capacity"],
