@@ -187,7 +187,10 @@ def test_inconsistent_autoscaling_is_refused(autoscaling: dict[str, Any], match:
 @pytest.mark.parametrize(
     "args, match",
     [
-        ({"engine": {"max_batch_size": 0}}, r"args: engine: args\.engine\.max_batch_size must be auto or an integer >= 1, got 0"),
+        (
+            {"engine": {"max_batch_size": 0}},
+            r"args: engine: args\.engine\.max_batch_size must be auto or an integer >= 1, got 0",
+        ),
         ({"engine": {"dtype": "fp8"}}, r"args: engine: args\.engine\.dtype: Input should be 'auto'"),
         ({"max_batch_size": 8}, r"args\.max_batch_size moved under `engine:`"),
         ({"engine_process": True}, r"args\.engine_process is gone: the engine now always runs in its own deployment"),

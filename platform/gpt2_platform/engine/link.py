@@ -113,9 +113,7 @@ class Link:
         self.closed = False
         self._lock = threading.Lock()
 
-    def submit(
-        self, key: int, prompt_ids: list[int], params: GenerationParams, admission: Admission | None
-    ) -> bool:
+    def submit(self, key: int, prompt_ids: list[int], params: GenerationParams, admission: Admission | None) -> bool:
         """Send a sequence to this engine; False if the link is gone. `admission`: as GPT2Engine.generate's."""
         return self._send(("submit", key, prompt_ids, params, admission))
 
