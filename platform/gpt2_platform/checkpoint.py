@@ -152,7 +152,7 @@ def read_hf_config(directory: Path) -> SimpleNamespace:
     Read here rather than by AutoConfig or GPT2Config: importing transformers' auto classes imports its
     generation stack as well (torch._dynamo, sympy, and scikit-learn where installed). With
     transformers 5.17 that was 6 s of every Ray actor's start-up on the GPU machine
-    (docs/benchmarks.md, session 6), for a file of a few numbers.
+    (docs/benchmarks.md), for a file of a few numbers.
     """
     path = directory / CONFIG_NAME
     try:

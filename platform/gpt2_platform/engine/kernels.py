@@ -2,7 +2,7 @@
 
 Why by hand: a decode step at small batch is a chain of small, latency-bound kernels. On an H200
 the compiled step of GPT-2 124M ran 139 kernels in 0.476 ms at batch 1, about 3.4 us each, while
-its weights would stream in about 50 us at the card's bandwidth (docs/benchmarks.md, session 4).
+its weights would stream in about 50 us at the card's bandwidth (docs/benchmarks.md).
 cuBLAS, inductor's fusions and its Triton GEMM templates still give every layer norm, bias, GELU,
 residual add, cache write and attention its own kernel or its own GEMM. These kernels fold each
 of those into the GEMV that reads the weights anyway, or into the attention:
@@ -224,7 +224,7 @@ def decode_attention(
         num_warps = 2 if batch >= 256 else 4
     if num_stages is None:
         # From 256 rows, software-pipelining the cache loop 2 deep read it 2-3% faster (the probe's sweep at
-        # 256 and 1,024 rows; docs/benchmarks.md, session 17); below, not measured: the plain loop.
+        # 256 and 1,024 rows; docs/benchmarks.md); below, not measured: the plain loop.
         num_stages = 2 if batch >= 256 else 0
     assert two == 2 and kv.is_contiguous() and qkv.is_contiguous() and qkv.shape[1] == 3 * heads * head_dim
     out = torch.empty(batch, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
