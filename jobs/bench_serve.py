@@ -17,11 +17,12 @@ Each level keeps `concurrency` requests in flight until `--requests` have finish
 shown). Reported per level and mode (--mode stream, nonstream or both): requests/s,
 generated tokens/s, time to first
 token p50/p99 (streaming: the first chunk; non-streaming: the whole request), latency
-p50/p99, time per output token after the first, failures (429s included), and which
+p50/p99, time per output token after the first, failures (a 429 counts once its retries, after
+its Retry-After, would pass --retry-429-within-s), the 429s retried, and which
 processes on the machine used the CPU. With --start-preset the engine is first run alone
 on the same model and shapes at batch size = each concurrency, up to the config's engine batch (in a
 child process, so its GPU memory is free again before Serve starts), and each level shows HTTP / engine
-tokens/s. Against --url it needs only aiohttp; --config and --start-preset need the package and Ray.
+tokens/s. Against --url it needs only aiohttp and httpx; --config and --start-preset need the package and Ray.
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument(
         "--client-processes", type=int, default=1, help="split each level's requests over this many client processes"
+    )
+    parser.add_argument(
+        "--retry-429-within-s",
+        type=float,
+        default=30.0,
+        help="retry a 429 after its Retry-After while within this many seconds of the first try (0: never); "
+        "a 429 past it counts as failed",
     )
     parser.add_argument(
         "--mode",
@@ -154,7 +162,7 @@ def main() -> int:
             args.concurrency,
             args.prompt_tokens,
             args.max_tokens,
-            engine.get("max_batch_size", 32),
+            engine.get("max_batch_size", "auto"),
             engine.get("compile"),
             args.temperature,
         )
@@ -177,6 +185,7 @@ def main() -> int:
         timeout_s=args.timeout_s,
         num_requests=args.requests,
         client_processes=args.client_processes,
+        retry_429_within_s=args.retry_429_within_s,
     )
     try:
         model = load.discover_model(settings)

@@ -23,6 +23,8 @@ from gpt2_platform.bench import load, load_report, processes
 MAX_TOKENS = 6
 # Requests whose prompt_ids index is one of these fail, whatever process or order they run in.
 INDEX_429, INDEX_500, INDEX_BROKEN_STREAM = 1, 2, 3
+# Refused once with a Retry-After, then served; refused with a Retry-After of an hour, always.
+INDEX_429_ONCE, INDEX_429_HOUR = 20, 21  # past the other tests' requests
 
 
 def _request_index(prompt: list[int]) -> int:
@@ -32,6 +34,7 @@ def _request_index(prompt: list[int]) -> int:
 
 def fake_completions_app() -> FastAPI:
     app = FastAPI()
+    refused_once: set[tuple] = set()
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -43,6 +46,11 @@ def fake_completions_app() -> FastAPI:
         index, num_tokens = _request_index(body["prompt"]), body["max_tokens"]
         if index == INDEX_429:
             return JSONResponse({"error": {"message": "queue full", "type": "rate_limit"}}, status_code=429)
+        if index == INDEX_429_ONCE and (key := (index, body.get("stream"))) not in refused_once:
+            refused_once.add(key)
+            return JSONResponse({"error": {"message": "busy"}}, status_code=429, headers={"Retry-After": "0.05"})
+        if index == INDEX_429_HOUR:
+            return JSONResponse({"error": {"message": "busy"}}, status_code=429, headers={"Retry-After": "3600"})
         if index == INDEX_500:
             return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": num_tokens}
@@ -114,6 +122,18 @@ def test_nonstreaming_level_reports_latency_as_ttft(server_url):
     assert math.isnan(level.per_token_p50_ms)
     assert "= latency" in load_report.markdown_row(level, with_engine=False)
     assert "TTFT is the whole request's latency" in load_report.as_markdown([level])
+
+
+def test_a_429_is_retried_after_its_retry_after_within_the_budget(server_url):
+    settings = load.LoadSettings(url=server_url, prompt_tokens=8, max_tokens=MAX_TOKENS, num_requests=22)
+    level = load.run_level(None, settings, load.request_body(settings, "fake-gpt2", "stream"), concurrency=22)
+    # 20 waited its 0.05 s and was served; 21's hour is past the budget; 1's 429 gave no Retry-After.
+    assert level.retried_429 == 1
+    assert level.failed_by_status == {"200": 1, "429": 2, "500": 1}
+    assert "1 429s retried" in load_report.markdown_row(level, with_engine=False)
+    no_retry = load.LoadSettings(**{**settings.__dict__, "retry_429_within_s": 0.0})
+    level = load.run_level(None, no_retry, load.request_body(settings, "fake-gpt2", "nonstream"), concurrency=22)
+    assert level.retried_429 == 0 and level.failed_by_status["429"] == 3
 
 
 def test_level_reports_the_processes_that_used_the_cpu(server_url):

@@ -108,7 +108,7 @@ def engine_only(
     batch_sizes: list[int],
     prompt_tokens: int,
     new_tokens: int,
-    max_batch_size: int,
+    max_batch_size: int | str,
     dtype_name: str = "auto",
     compile_step: bool | None = None,
     runs: int = 3,

@@ -3,8 +3,11 @@
 Every request has the same prompt length (token ids, so the length is exact whatever the
 tokenizer) and generates exactly `max_tokens` tokens (ignore_eos). A streaming request's time to
 first token is its first chunk; a non-streaming request's first token arrives with its last, so
-its TTFT is its whole latency. Needs only httpx (and psutil, optional, for the process CPU line);
-the engine-alone baseline, for a local app only, needs torch. load_report.py formats the results.
+its TTFT is its whole latency. A 429 is retried after its Retry-After (as the openai client does) while
+that stays within `retry_429_within_s`, and counts as failed past it. The requests go through aiohttp,
+whose C parser keeps a client process far from being the bottleneck at a thousand streams; httpx serves
+the few control calls. psutil (optional) gives the process CPU line; the engine-alone baseline, for a
+local app only, needs torch. load_report.py formats the results.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 
 from gpt2_platform.bench import processes
@@ -39,6 +43,8 @@ class RequestResult:
     ttft_s: float = 0.0
     total_s: float = 0.0
     completion_tokens: int = 0
+    retries: int = 0
+    """429s retried after their Retry-After before this result."""
 
 
 @dataclass
@@ -63,6 +69,8 @@ class LevelResult:
     """The busiest client process's CPU time over the level's wall time: near 100, the load generator,
     not the server, sets the pace (use more client processes)."""
     failed_by_status: dict[str, int] = field(default_factory=dict)
+    retried_429: int = 0
+    """429s that were retried after their Retry-After (the request then counts by its last try)."""
     process_cpu: dict | None = None
     """processes.cpu_shares over the level: the top processes' CPU % of one core."""
     engine_tokens_per_s: float | None = None
@@ -86,6 +94,9 @@ class LoadSettings:
     """Per level; None: max(32, 4 x concurrency) (enough at one stream for its percentiles to mean something)."""
     client_processes: int = 1
     """Split each level's requests over this many spawned client processes (1: in this process)."""
+    retry_429_within_s: float = 30.0
+    """Retry a 429 after its Retry-After while the retry starts within this many seconds of the first try
+    (0: a 429 fails at once)."""
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "max_tokens", "client_processes"):
@@ -124,50 +135,70 @@ def request_body(settings: LoadSettings, model: str, mode: str) -> dict:
     return body
 
 
-async def one_request(client: httpx.AsyncClient, body: dict) -> RequestResult:
-    """One completion, streamed or not as `body` says."""
-    if body.get("stream"):
-        return await _one_stream(client, body)
+async def one_request(session: aiohttp.ClientSession, body: dict, retry_429_within_s: float) -> RequestResult:
+    """One completion, streamed or not as `body` says. A 429 is retried after its Retry-After, as the
+    openai client does, while the retry would still start within `retry_429_within_s` of the first try;
+    the result then counts the retries and its times run from the first try."""
     started = time.perf_counter()
-    response = await client.post("/v1/completions", json=body)
-    ended = time.perf_counter()
-    if response.status_code != 200:
-        return RequestResult(ok=False, status=response.status_code)
-    try:
-        payload = response.json()
-        completion_tokens = payload["usage"]["completion_tokens"]
-        assert payload["choices"], "a 200 completion without choices"
-    except (ValueError, KeyError, TypeError, AssertionError):
-        return RequestResult(ok=False, status=response.status_code)
-    return RequestResult(True, 200, ended - started, ended - started, completion_tokens)
+    retries = 0
+    while True:
+        result, retry_after_s = await _one_try(session, body, started)
+        waited = time.perf_counter() - started
+        if result.status != 429 or retry_after_s is None or waited + retry_after_s > retry_429_within_s:
+            result.retries = retries
+            return result
+        retries += 1
+        await asyncio.sleep(retry_after_s)
 
 
-async def _one_stream(client: httpx.AsyncClient, body: dict) -> RequestResult:
-    """Stream one completion; time its first chunk and its end, count its tokens from the usage chunk."""
-    started = time.perf_counter()
-    first_chunk_at, completion_tokens = None, 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return RequestResult(ok=False, status=response.status_code)
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+async def _one_try(session: aiohttp.ClientSession, body: dict, started: float) -> tuple[RequestResult, float | None]:
+    """One try; its times count from `started`. Also the refusal's Retry-After (seconds), when it had one."""
+    async with session.post("/v1/completions", json=body) as response:
+        if response.status != 200:
+            await response.read()
+            retry_after = response.headers.get("Retry-After")
+            return RequestResult(ok=False, status=response.status), _seconds(retry_after)
+        if not body.get("stream"):
+            try:
+                payload = await response.json()
+                completion_tokens = payload["usage"]["completion_tokens"]
+                assert payload["choices"], "a 200 completion without choices"
+            except (ValueError, KeyError, TypeError, AssertionError, aiohttp.ContentTypeError):
+                return RequestResult(ok=False, status=response.status), None
+            ended = time.perf_counter()
+            return RequestResult(True, 200, ended - started, ended - started, completion_tokens), None
+        # aiohttp splits the body at newlines in C; an SSE event is one `data: ...` line and a blank one.
+        first_chunk_at, completion_tokens = None, 0
+        async for raw in response.content:
+            if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
                 continue
-            chunk = json.loads(line[len("data: ") :])
+            chunk = json.loads(raw[len(b"data: ") :])
             if "error" in chunk:
-                return RequestResult(ok=False, status=response.status_code)
+                return RequestResult(ok=False, status=response.status), None
             if chunk["choices"] and first_chunk_at is None:
                 first_chunk_at = time.perf_counter()
             if chunk.get("usage"):
                 completion_tokens = chunk["usage"]["completion_tokens"]
     ended = time.perf_counter()
     if first_chunk_at is None:
-        return RequestResult(ok=False, status=response.status_code)
-    return RequestResult(True, 200, first_chunk_at - started, ended - started, completion_tokens)
+        return RequestResult(ok=False, status=200), None
+    return RequestResult(True, 200, first_chunk_at - started, ended - started, completion_tokens), None
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    try:
+        return max(0.0, float(retry_after)) if retry_after is not None else None
+    except ValueError:  # an HTTP date: not what this project's servers send
+        return None
 
 
 async def run_requests(
-    client: httpx.AsyncClient, base_body: dict, concurrency: int, indices: range, prompt_len: int
+    session: aiohttp.ClientSession,
+    base_body: dict,
+    concurrency: int,
+    indices: range,
+    prompt_len: int,
+    retry_429_within_s: float,
 ) -> list[RequestResult]:
     """Keep `concurrency` requests in flight until the requests of `indices` finished."""
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -180,8 +211,8 @@ async def run_requests(
             index = queue.get_nowait()
             body = {**base_body, "prompt": prompt_ids(prompt_len, index)}
             try:
-                results.append(await one_request(client, body))
-            except httpx.HTTPError:
+                results.append(await one_request(session, body, retry_429_within_s))
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 results.append(RequestResult(ok=False, status=0))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -201,19 +232,23 @@ class ClientShare:
     prompt_len: int
     start_at: float
     """time.time() at which every client process starts its requests."""
+    retry_429_within_s: float = 0.0
 
 
 def run_share(share: ClientShare) -> tuple[list[RequestResult], float, float]:
     """Run one share on its own event loop: its results, its CPU seconds, and time.time() at its end."""
 
     async def run() -> tuple[list[RequestResult], float, float]:
-        limits = httpx.Limits(max_connections=share.concurrency + 4, max_keepalive_connections=share.concurrency)
-        async with httpx.AsyncClient(
-            base_url=share.url, headers=share.headers, timeout=share.timeout_s, limits=limits
-        ) as client:
+        connector = aiohttp.TCPConnector(limit=share.concurrency + 4)
+        timeout = aiohttp.ClientTimeout(total=share.timeout_s)
+        async with aiohttp.ClientSession(
+            base_url=share.url, headers=share.headers, timeout=timeout, connector=connector
+        ) as session:
             await asyncio.sleep(max(0.0, share.start_at - time.time()))
             cpu = time.process_time()
-            results = await run_requests(client, share.base_body, share.concurrency, share.indices, share.prompt_len)
+            results = await run_requests(
+                session, share.base_body, share.concurrency, share.indices, share.prompt_len, share.retry_429_within_s
+            )
             return results, time.process_time() - cpu, time.time()
 
     return asyncio.run(run())
@@ -225,7 +260,7 @@ def run_level(
     """Keep `concurrency` requests in flight, over the client processes, until the level's requests finished.
 
     One Python process parsing every SSE chunk can become the bottleneck of the measurement itself
-    (httpx spends tens of microseconds a chunk); client processes split the load, and every level
+    (tens of microseconds a chunk); client processes split the load, and every level
     reports how busy its busiest client process was and which processes on the machine used the CPU.
     """
     num_requests = settings.num_requests or max(32, 4 * concurrency)
@@ -241,6 +276,7 @@ def run_level(
             range(i, num_requests, num_processes),
             settings.prompt_tokens,
             start_at,
+            settings.retry_429_within_s,
         )
         for i in range(num_processes)
     ]
@@ -288,6 +324,7 @@ def summarise(
         per_token_p99_ms=percentile(per_token_ms, 99),
         client_cpu_pct=client_cpu_pct,
         failed_by_status=dict(sorted(failed.items())),
+        retried_429=sum(r.retries for r in results),
     )
 
 
@@ -296,7 +333,7 @@ def engine_baseline(
     concurrency_levels: list[int],
     prompt_tokens: int,
     max_tokens: int,
-    max_batch_size: int,
+    max_batch_size: int | str,
     compile_step: bool | None,
     temperature: float,
 ) -> dict:
@@ -390,7 +427,7 @@ def sweep(
     bodies = {mode: request_body(settings, model, mode) for mode in modes}
     for body in bodies.values():  # warm the server in each mode
         share = ClientShare(
-            settings.url, settings.headers, settings.timeout_s, body, 1, range(2), settings.prompt_tokens, 0.0
+            settings.url, settings.headers, settings.timeout_s, body, 1, range(2), settings.prompt_tokens, 0.0, 30.0
         )
         run_share(share)
     pool = None

@@ -35,11 +35,16 @@ def markdown_row(level: LevelResult, with_engine: bool) -> str:
         )
     ttft = _ms_pair(level.ttft_p50_ms, level.ttft_p99_ms, 1) if level.mode == "stream" else "= latency"
     return (
-        f"| {level.mode} | {level.concurrency} | {level.requests} ({level.failed}) | {level.requests_per_s:.2f} "
+        f"| {level.mode} | {level.concurrency} | {level.requests} ({_failed(level)}) | {level.requests_per_s:.2f} "
         f"| {level.generated_tokens_per_s:.0f} |{engine} {ttft} "
         f"| {_ms_pair(level.latency_p50_ms, level.latency_p99_ms, 1)} "
         f"| {_ms_pair(level.per_token_p50_ms, level.per_token_p99_ms, 2)} | {level.client_cpu_pct:.0f} |"
     )
+
+
+def _failed(level: LevelResult) -> str:
+    retried = level.retried_429
+    return f"{level.failed}; {retried} 429s retried" if retried else str(level.failed)
 
 
 def as_markdown(levels: list[LevelResult]) -> str:
