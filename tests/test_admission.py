@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from gpt2_platform.engine.admission import MAX_RETRY_AFTER_S, Admission, DrainRate, Refusal, decide
+from gpt2_platform.engine.admission import MAX_RETRY_AFTER_S, RATE_WINDOW_S, Admission, DrainRate, Refusal, decide
 
 BUDGET = Admission(max_waiting=4096, max_wait_s=2.0)
 
@@ -44,6 +44,16 @@ def test_no_slot_freed_lately_queues_one_batch_then_refuses():
     assert decide(8, 7, 8, 0.0, BUDGET) is None
     refusal = decide(8, 8, 8, 0.0, BUDGET)
     assert refusal is not None and refusal.retry_after_s == 2
+
+
+def test_a_queue_younger_than_the_rate_window_is_joined_whatever_the_rate():
+    # An engine that has just started, or a burst after a quiet spell: the window counted demand, not slots.
+    assert decide(1, 3, 1, 0.5, BUDGET, queue_age_s=0.3) is None
+    assert decide(1, 3, 1, 0.0, BUDGET, queue_age_s=0.3) is None
+    # Once the queue has stood a whole window, the rate is the slots' and decides.
+    assert decide(1, 3, 1, 0.5, BUDGET, queue_age_s=RATE_WINDOW_S) is not None
+    # The hard bound holds from the first sequence.
+    assert decide(1, 4096, 1, 1e6, BUDGET, queue_age_s=0.0) is not None
 
 
 def test_retry_after_is_capped():

@@ -410,6 +410,7 @@ class Engine:
             "capture_on_use_s": self.runner.capture_on_use_s,
             "batch_sizes": dict(sorted(self.batch_sizes.items())),
             "drain_per_s": self.drain.per_s(),
+            "queue_age_s": self.queue_age_s(),
             "max_batch_size": self.max_batch_size,
             "max_batch_size_reason": self.max_batch_size_reason,
         }
@@ -417,7 +418,14 @@ class Engine:
     def refusal(self, admission: Admission) -> Refusal | None:
         """None if a request may join now under `admission` (engine/admission.py), else why not."""
         running = int(np.count_nonzero(self._occupant))
-        return decide(running, len(self._waiting), len(self._slots), self.drain.per_s(), admission)
+        return decide(running, len(self._waiting), len(self._slots), self.drain.per_s(), admission, self.queue_age_s())
+
+    def queue_age_s(self) -> float:
+        """How long the oldest waiting sequence has waited (0 with no queue)."""
+        try:
+            return time.perf_counter() - self._waiting[0].submitted_at
+        except IndexError:  # no queue (the engine's thread may have emptied it since)
+            return 0.0
 
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
