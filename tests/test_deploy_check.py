@@ -162,7 +162,10 @@ def test_autoscaling_min_above_max_passes_serves_file_schema_but_not_ours():
     from ray.serve.schema import ServeDeploySchema
 
     config = broken_serve_config(
-        lambda app, dep: dep["autoscaling_config"].update(min_replicas=40, initial_replicas=40)
+        lambda app, dep: dep["autoscaling_config"].update(
+            min_replicas=dep["autoscaling_config"]["max_replicas"] + 1,
+            initial_replicas=dep["autoscaling_config"]["max_replicas"] + 1,
+        )
     )
     ServeDeploySchema.model_validate(config)  # Serve's own file schema does not look inside autoscaling_config
     with pytest.raises(DeployConfigError, match=r"deployments\[GPT2Server\]\.autoscaling_config: .*min_replicas"):
@@ -172,7 +175,7 @@ def test_autoscaling_min_above_max_passes_serves_file_schema_but_not_ours():
 @pytest.mark.parametrize(
     "autoscaling, match",
     [
-        ({"initial_replicas": 40}, r"initial_replicas"),
+        ({"initial_replicas": 200}, r"initial_replicas"),
         ({"target_ongoing_requests": 0}, r"target_ongoing_requests"),
         ({"target_ongoing_requets": 24}, r"unknown keys \['target_ongoing_requets'\]"),
         ({"target_ongoing_requests": 2000}, r"max_ongoing_requests: 1024 is below autoscaling target_ongoing_requests"),
@@ -243,12 +246,12 @@ def test_an_engine_without_autoscaling_needs_no_policy():
     "edit, match",
     [
         (
-            lambda engine: engine.update(max_ongoing_requests=1056),
-            r"GPT2Engine\]\.max_ongoing_requests: 1056 must exceed args\.engine\.max_batch_size \+ args\.limits\.max_waiting \(1056\)",
+            lambda engine: engine.update(max_ongoing_requests=1280),
+            r"GPT2Engine\]\.max_ongoing_requests: 1280 must exceed args\.engine\.max_batch_size \+ args\.limits\.max_waiting \(1280\)",
         ),
         (
-            lambda engine: engine["autoscaling_config"].update(target_ongoing_requests=1057),
-            r"GPT2Engine\]\.autoscaling_config\.target_ongoing_requests: 1057 sequences per engine is more than one engine holds",
+            lambda engine: engine["autoscaling_config"].update(target_ongoing_requests=1281),
+            r"GPT2Engine\]\.autoscaling_config\.target_ongoing_requests: 1281 sequences per engine is more than one engine holds",
         ),
     ],
     ids=["max-ongoing-below-capacity", "target-beyond-capacity"],
@@ -329,14 +332,16 @@ def drifted_rayservice(tmp_path: Path, edit) -> Path:
 
 def test_rayservice_drifting_from_the_cluster_serve_config_is_refused_with_what_differs(tmp_path: Path):
     def edit(app):
-        app["deployments"][0]["autoscaling_config"]["max_replicas"] = 3
+        app["deployments"][0]["autoscaling_config"]["max_replicas"] = 48
         app["args"]["limits"]["max_prompts"] = 8
 
     path = drifted_rayservice(tmp_path, edit)
     with pytest.raises(DeployConfigError) as error:
         deploy_check.validate_kuberay(path, serve_reference=CLUSTER_SERVE)
     message = str(error.value)
-    assert "applications[gpt2].deployments[GPT2Server].autoscaling_config.max_replicas: expected 32, found 3" in message
+    assert (
+        "applications[gpt2].deployments[GPT2Server].autoscaling_config.max_replicas: expected 96, found 48" in message
+    )
     assert "applications[gpt2].args.limits.max_prompts: expected 32, found 8" in message
 
 

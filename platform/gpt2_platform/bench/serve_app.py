@@ -21,13 +21,21 @@ APP_NAME = "gpt2-bench"
 
 # How HTTP reaches the ingress replicas: Serve's Python proxy actor, direct ingress (the one ingress replica
 # listens on the Serve port itself), or HAProxy (a C proxy balancing every ingress replica, each listening on
-# a port of its own). Serve reads these when it starts, from the environment `ray start` had: they belong to
-# the cluster, not to the deployment file (cluster.yaml and the KubeRay manifests set HAProxy's).
-INGRESS_MODES = {
-    "proxy": {},
-    "direct": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"},
-    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
-}
+# a port of its own, started through serve/haproxy.py's launcher for its OpenAI-shaped errors). Serve reads
+# these when it starts, from the environment `ray start` had: they belong to the cluster, not to the
+# deployment file (cluster.yaml and the KubeRay manifests set HAProxy's).
+INGRESS_MODES = ("proxy", "direct", "haproxy")
+
+
+def ingress_environment(ingress: str) -> dict[str, str]:
+    """The variables to export before Ray starts for `ingress`."""
+    from gpt2_platform.serve import haproxy
+
+    if ingress == "direct":
+        return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+    if ingress == "haproxy":
+        return haproxy.environment()
+    return {}
 
 
 def config_engine(config_path: Path) -> dict[str, Any]:
@@ -76,7 +84,7 @@ def deploy_config(
     api_key = None
     if key_env := app["args"].get("api_key_env"):
         api_key = os.environ.setdefault(key_env, secrets.token_urlsafe(24))
-    os.environ.update(INGRESS_MODES[ingress])  # before Ray starts: its processes inherit this environment
+    os.environ.update(ingress_environment(ingress))  # before Ray starts: its processes inherit this environment
     init_ray()
     exporter.start_if_wanted(gpu_monitor)
     started = time.perf_counter()

@@ -36,6 +36,7 @@ from gpt2_platform.ray_auth import (  # noqa: F401  (part of this module's inter
     ensure_private_token,
     token_file,
 )
+from gpt2_platform.serve import haproxy
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,10 @@ def cluster_env(state_dir: Path, base: Mapping[str, str] | None = None) -> dict[
         RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH="gpt2_platform.serve.proxy:middlewares",
         **{MARKER_VAR: str(state_dir)},
     )
+    # HTTP through HAProxy, as cluster.yaml and KubeRay start Ray (deployments/gpt2-cluster.yaml says why),
+    # its own errors in OpenAI's JSON through the launcher; RAY_SERVE_ENABLE_HA_PROXY=0 keeps the Python proxy.
+    if env.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "1":
+        env.update(haproxy.environment(env))
     return env
 
 
