@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import queue
+import sys
 import tempfile
 import threading
 import time
@@ -260,6 +262,32 @@ def _inject_failure(run_dir: Path, step: int) -> None:
         os._exit(1)
 
 
+# libkineto prints this once a process, with a bare fprintf that neither KINETO_LOG_LEVEL nor TORCH_CPP_LOG_LEVEL
+# reaches, when the first profiler starts in a thread other than the one that loaded libtorch, and Ray Train runs
+# this loop in a thread of its own. What it then skips is torch's set-up for MTIA devices: the trace is whole.
+_KINETO_THREAD_NOTICE = b"External init callback must run in same thread as registerClient"
+
+
+@contextlib.contextmanager
+def _stderr_without(text: bytes) -> Iterator[None]:
+    """Hold back what this process writes to its stderr meanwhile (any thread, C or Python), and write it
+    afterwards less the lines that contain `text`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = memoryview(b"".join(line for line in held if text not in line))
+            while kept:
+                kept = kept[os.write(2, kept) :]
+
+
 class Profiler:
     """torch.profiler over a window of optimizer steps, written as Chrome trace files (gpt2_platform/traces.py).
 
@@ -286,7 +314,8 @@ class Profiler:
                     str(self.out_dir), worker_name=f"rank{self.rank}"
                 ),
             )
-            self.profiler.__enter__()
+            with _stderr_without(_KINETO_THREAD_NOTICE):
+                self.profiler.__enter__()
         if self.profiler is not None:
             self.step_range = torch.profiler.record_function(f"{traces.STEP_PREFIX}{step}")
             self.step_range.__enter__()
