@@ -7,28 +7,39 @@ the profiles `jobs/bench_train.py --profile-dir` writes). These kernels read the
 logits' dtype, which is what the head's bf16 matmul consumes anyway. Columns at and past `vocab` (the
 padding of train/loss.py) take no probability and get a zero gradient.
 
-The kernels run on CUDA, and in Triton's interpreter on CPU (`TRITON_INTERPRET=1`) for the tests.
+The kernels run on CUDA, and in Triton's interpreter on CPU (`TRITON_INTERPRET=1`) for the tests. Triton is
+imported on their first launch, not with this module (see `_kernels`), as the engine's are (engine/kernels.py).
 """
 
 from __future__ import annotations
 
-import torch
+import functools
+import importlib.util
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU build of torch does not bring triton
-    triton = None
+import torch
 
 IGNORE_INDEX = -100
 _BLOCK = 4096
 
+tl = None
+"""`triton.language`, bound by `_kernels` on the first launch: the kernels' bodies look it up among this
+module's globals."""
+
 
 def available() -> bool:
-    return triton is not None
+    """Whether Triton is installed (the CPU build of torch does not bring it; the loss then stays torch's).
+    Asked without importing it: see `_kernels`."""
+    return importlib.util.find_spec("triton") is not None
 
 
-if triton is not None:
+@functools.cache
+def _kernels():
+    """The forward and backward kernels, defined (and Triton imported) on the first launch rather than with the
+    loss: a process that never launches one (any CPU worker) does not load Triton, whose native bindings print
+    leak reports when such a process exits, through this module."""
+    global tl
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def _forward_kernel(logits_ptr, stride, targets_ptr, loss_ptr, lse_ptr, vocab, ignore_index, BLOCK: tl.constexpr):
@@ -68,6 +79,8 @@ if triton is not None:
             grad = tl.where(cols == target, p - 1.0, p) * scale
             tl.store(grad_ptr + row * grad_stride + cols, grad.to(grad_ptr.dtype.element_ty), mask=cols < width)
 
+    return _forward_kernel, _backward_kernel
+
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -75,7 +88,8 @@ class _CrossEntropy(torch.autograd.Function):
         rows = logits.size(0)
         losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        _forward_kernel[(rows,)](logits, logits.stride(0), targets, losses, lse, vocab, IGNORE_INDEX, BLOCK=_BLOCK)
+        forward_kernel, _ = _kernels()
+        forward_kernel[(rows,)](logits, logits.stride(0), targets, losses, lse, vocab, IGNORE_INDEX, BLOCK=_BLOCK)
         counted = (targets != IGNORE_INDEX).sum()
         ctx.save_for_backward(logits, targets, lse, counted)
         ctx.vocab = vocab
@@ -88,14 +102,18 @@ class _CrossEntropy(torch.autograd.Function):
         scale = (grad_output.float() / counted).reshape(1)  # stays on the device: no host sync
         grad = torch.empty_like(logits)
         rows, width = logits.shape
-        _backward_kernel[(rows,)](
+        _, backward_kernel = _kernels()
+        backward_kernel[(rows,)](
             logits, logits.stride(0), grad, grad.stride(0), targets, lse, scale, ctx.vocab, width, IGNORE_INDEX,
             BLOCK=_BLOCK,
         )  # fmt: skip
         return grad, None, None
 
 
-@torch.compiler.disable  # a Triton launch inside an autograd Function: compiled models call it eagerly
+# A Triton launch inside an autograd Function: compiled models call it eagerly. torch's lazy form of
+# torch.compiler.disable (the same graph break): importing torch._dynamo imports Triton, so it waits for the
+# first call instead of coming with this module.
+@torch._disable_dynamo
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: int) -> torch.Tensor:
     """Mean cross-entropy of `logits` `(N, width)` over their first `vocab` columns against `targets`
     `(N,)`, targets of -100 ignored: `F.cross_entropy(logits[:, :vocab].float(), targets)`."""
