@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from gpt2_platform.engine.admission import MAX_RETRY_AFTER_S, RATE_WINDOW_S, Admission, DrainRate, Refusal, decide
+from gpt2_platform.engine.admission import MAX_RETRY_AFTER_S, Admission, DrainRate, Refusal, decide
 
 BUDGET = Admission(max_waiting=4096, max_wait_s=2.0)
 
@@ -46,14 +46,11 @@ def test_no_slot_freed_lately_queues_one_batch_then_refuses():
     assert refusal is not None and refusal.retry_after_s == 2
 
 
-def test_a_queue_younger_than_the_rate_window_is_joined_whatever_the_rate():
-    # An engine that has just started, or a burst after a quiet spell: the window counted demand, not slots.
-    assert decide(1, 3, 1, 0.5, BUDGET, queue_age_s=0.3) is None
-    assert decide(1, 3, 1, 0.0, BUDGET, queue_age_s=0.3) is None
-    # Once the queue has stood a whole window, the rate is the slots' and decides.
-    assert decide(1, 3, 1, 0.5, BUDGET, queue_age_s=RATE_WINDOW_S) is not None
-    # The hard bound holds from the first sequence.
-    assert decide(1, 4096, 1, 1e6, BUDGET, queue_age_s=0.0) is not None
+def test_what_fits_the_free_slots_is_taken_whatever_is_still_being_placed():
+    # 4 slots, 1 running, 2 submitted and not yet placed: one more still fits, even with no queue allowed.
+    no_queue = Admission(max_waiting=0, max_wait_s=5.0)
+    assert decide(1, 2, 4, 0.0, no_queue) is None
+    assert decide(1, 3, 4, 0.0, no_queue) is not None
 
 
 def test_retry_after_is_capped():

@@ -40,6 +40,7 @@ LIMITS = {
     "max_tokens_cap": 250,
     "default_max_tokens": 16,
     "max_waiting": 8,
+    "max_queue_wait_s": 30,  # a loaded CPU's queue of long sequences still joins (the queue tests below)
     "body_timeout_s": 2.0,  # short, so the slow-client test waits seconds
 }
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -590,6 +591,49 @@ def test_a_client_that_disconnects_frees_its_slot(client, base_url):
     final = _wait_for_idle_engine(client)
     assert final, "the abandoned request still holds its slots"
     assert final["generated_tokens"] - after["generated_tokens"] < 16 * 240 / 2, "the request ran on"
+
+
+def test_twice_the_slots_are_all_served_within_the_wait_budget(client, base_url):
+    # 8 requests on 4 slots: the other 4 wait and start as slots free (limits.max_queue_wait_s), no 429.
+    _wait_for_idle_engine(client)
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base_url, headers=AUTH, timeout=60) as session:
+            body = {"prompt": "queue", "max_tokens": 40, "ignore_eos": True}
+            return await asyncio.gather(*(session.post("/v1/completions", json=body) for _ in range(8)))
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses if r.status_code != 200]
+    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in responses)
+
+
+def test_a_queued_client_that_disconnects_leaves_the_queue_unserved(client, base_url):
+    before = _wait_for_idle_engine(client)
+    long = {"prompt": "hold", "max_tokens": 240, "ignore_eos": True}
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=base_url, headers=AUTH, timeout=60) as session:
+            # 10 long sequences on 4 slots: 6 wait (limits.max_waiting is 8), two rounds of 240 steps.
+            holders = [asyncio.create_task(session.post("/v1/completions", json=long)) for _ in range(10)]
+            await _until(lambda: engine_stats(client)["waiting"] >= 4)
+            queued = asyncio.create_task(session.post("/v1/completions", json={**long, "stream": True}))
+            await asyncio.sleep(0.2)
+            queued.cancel()  # the client goes away while its request waits behind at least one round
+            responses = await asyncio.gather(*holders)
+            assert [r.status_code for r in responses] == [200] * 10
+
+    asyncio.run(scenario())
+    after = _wait_for_idle_engine(client)
+    # The holders' 10 sequences started and ran to the end; the one whose client left never got a slot.
+    assert after["first_tokens"] - before["first_tokens"] == 10, after
+    assert after["generated_tokens"] - before["generated_tokens"] == 10 * 240
+
+
+async def _until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(condition):
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
 
 
 def test_overload_gets_429_with_retry_after_from_limits_given_as_user_config(client, base_url, model_dir):

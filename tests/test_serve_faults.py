@@ -133,7 +133,8 @@ def test_a_burst_past_every_limit_gets_json_429s_with_retry_after_never_plain_te
     async def burst() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=400)
         async with httpx.AsyncClient(base_url=engine_process_url, timeout=120, limits=limits) as session:
-            body = {"prompt": "burst", "max_tokens": 16, "ignore_eos": True}
+            # 300 sequences of 120 tokens on 4 slots: several times the 5 s wait budget, however fast the CPU.
+            body = {"prompt": "burst", "max_tokens": 120, "ignore_eos": True}
             return await asyncio.gather(*(session.post("/v1/completions", json=body) for _ in range(300)))
 
     responses = asyncio.run(burst())
@@ -142,7 +143,7 @@ def test_a_burst_past_every_limit_gets_json_429s_with_retry_after_never_plain_te
     for response in responses:
         assert response.headers["content-type"] == "application/json", response.text
         if response.status_code == 429:
-            assert response.json()["error"]["code"] == "overloaded" and response.headers["Retry-After"] == "1"
+            assert response.json()["error"]["code"] == "overloaded" and 1 <= int(response.headers["Retry-After"]) <= 30
 
 
 # ---- two engines behind one ingress ------------------------------------------------------------------

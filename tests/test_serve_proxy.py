@@ -37,6 +37,9 @@ def head(ray_head: RayHead) -> RayHead:
 
 def _config(port: int, model_dir: Path, api_key_env: str) -> dict:
     args = {"model": str(model_dir), "engine": {"dtype": "fp32", "max_batch_size": 2}, "api_key_env": api_key_env}
+    # Long sequences queue on the 2 slots of a loaded CPU for longer than the default wait budget: these tests
+    # are about the proxy, not admission (test_serve.py has those).
+    args["limits"] = {"max_queue_wait_s": 120}
     # Two ingress replicas, so one can die while the other serves; one engine behind both (all on the head's
     # 2 CPUs).
     ingress = {

@@ -26,6 +26,9 @@ APP_NAME = "gpt2-bench"
 # deployment file (cluster.yaml and the KubeRay manifests set HAProxy's).
 INGRESS_MODES = ("proxy", "direct", "haproxy")
 
+_own_ray = False
+"""Whether deploy_config started the Ray it deployed on (then stopping that Ray stops Serve with it)."""
+
 
 def ingress_environment(ingress: str) -> dict[str, str]:
     """The variables to export before Ray starts for `ingress`."""
@@ -85,6 +88,8 @@ def deploy_config(
     if key_env := app["args"].get("api_key_env"):
         api_key = os.environ.setdefault(key_env, secrets.token_urlsafe(24))
     os.environ.update(ingress_environment(ingress))  # before Ray starts: its processes inherit this environment
+    global _own_ray
+    _own_ray = os.environ.get("RAY_ADDRESS", "local") == "local" and not ray.is_initialized()
     init_ray()
     exporter.start_if_wanted(gpu_monitor)
     started = time.perf_counter()
@@ -127,5 +132,8 @@ def stop() -> None:
     import ray
     from ray import serve
 
-    serve.shutdown()
+    if not _own_ray:
+        serve.shutdown()  # a cluster that outlives the benchmark: take the app away
+    # Else Ray's shutdown ends Serve, HAProxy included; serve.shutdown would first wait for HAProxy's
+    # drain (30 s, "Controller failed to shut down").
     ray.shutdown()

@@ -6,10 +6,10 @@ past it get 429 and sleep while the engine idles; and for long generations the s
 minutes. What a client cares about is how long it waits to start. So the engine measures the rate at which
 waiting sequences start (its drain rate) and takes a newcomer when the queue ahead of it should drain
 within the wait budget (`limits.max_queue_wait_s`); a refused one is told to retry when enough of the queue
-should have drained, not after a fixed second. The rate measures what the slots can do only while
-sequences stood waiting for them: over a window in which the queue was empty for a while it counts the
-demand instead (an engine that just started, or one whose clients came in a burst), so the rate decides
-only once the oldest waiting sequence has waited a whole window; until then the queue is joined. A hard bound (`limits.max_waiting`) still caps the queue's
+should have drained, not after a fixed second. A rate measured over a window in which the queue was
+empty for a while counts the demand, not what the slots can do (an engine that just started, or a burst
+after a quiet spell), so the engine also models the rate from its step time and the lengths its slots
+hold, and admission takes the higher (Engine.drain_per_s). A hard bound (`limits.max_waiting`) still caps the queue's
 memory. A sequence cancelled while it waits (its client went away) leaves the queue at once (Engine.cancel).
 
 This module imports no torch: the ingress builds the policy, the engine process applies it.
@@ -91,33 +91,21 @@ class Refusal:
         return cls(int(match.group(1)), text[: match.start()] + text[match.end() :]) if match else None
 
 
-def decide(
-    running: int,
-    waiting: int,
-    max_batch_size: int,
-    drain_per_s: float,
-    admission: Admission,
-    queue_age_s: float = RATE_WINDOW_S,
-) -> Refusal | None:
+def decide(running: int, waiting: int, max_batch_size: int, drain_per_s: float, admission: Admission) -> Refusal | None:
     """None to take `admission.size` more sequences into an engine with `running` of `max_batch_size` slots busy and
-    `waiting` queued, the oldest of them for `queue_age_s`; else why not and when to retry.
+    `waiting` queued; else why not and when to retry.
 
-    An engine with free slots and no queue takes anything (a request larger than the queue still runs on
-    an idle engine). Otherwise the last of the new sequences would wait for `waiting + size` admissions,
-    which at the measured drain rate take (waiting + size) / rate seconds; a queue younger than the rate's
-    window is joined whatever the rate says (the module's docstring says why)."""
+    What fits the free slots is taken (a request larger than the queue still runs on an idle engine).
+    Otherwise `ahead` of the new sequences' last there are that many admissions beyond the free slots,
+    which at the drain rate take ahead / rate seconds; the hard bound counts the same sequences."""
     size = admission.size
-    if waiting == 0 and running + size <= max_batch_size:
-        return None
-    if running + waiting == 0:
-        return None
     ahead = waiting + size - max(max_batch_size - running, 0)
+    if ahead <= 0 or running + waiting == 0:
+        return None
     state = f"{running} sequences running, {waiting} waiting"
-    if waiting + size > admission.max_waiting:
+    if ahead > admission.max_waiting:
         retry = _retry_after(ahead - admission.max_waiting, drain_per_s, admission.max_wait_s)
         return Refusal(retry, f"{state}, the most this engine queues ({admission.max_waiting})")
-    if queue_age_s < RATE_WINDOW_S:
-        return None
     if drain_per_s > 0 and ahead / drain_per_s <= admission.max_wait_s:
         return None
     if drain_per_s <= 0:

@@ -230,6 +230,8 @@ class Engine:
         self.num_first_tokens = 0
         self.idle_s = 0.0  # the loop waiting with nothing queued or running: work did not come fast enough
         self.drain = DrainRate()  # how fast waiting sequences start: what admission promises a wait from
+        self.step_s = 0.0  # a decode step's seconds while busy (moving mean): the modelled drain rate's clock
+        self._last_step_at: float | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, warmup: bool = True, modes: tuple[str, ...] = SAMPLING_MODES, warm_prefills: bool = True) -> Engine:
@@ -409,8 +411,9 @@ class Engine:
             "captures_on_use": self.runner.captures_on_use,
             "capture_on_use_s": self.runner.capture_on_use_s,
             "batch_sizes": dict(sorted(self.batch_sizes.items())),
-            "drain_per_s": self.drain.per_s(),
-            "queue_age_s": self.queue_age_s(),
+            "drain_per_s": self.drain_per_s(),
+            "drain_measured_per_s": self.drain.per_s(),
+            "step_s": self.step_s,
             "max_batch_size": self.max_batch_size,
             "max_batch_size_reason": self.max_batch_size_reason,
         }
@@ -418,14 +421,28 @@ class Engine:
     def refusal(self, admission: Admission) -> Refusal | None:
         """None if a request may join now under `admission` (engine/admission.py), else why not."""
         running = int(np.count_nonzero(self._occupant))
-        return decide(running, len(self._waiting), len(self._slots), self.drain.per_s(), admission, self.queue_age_s())
+        return decide(running, len(self._waiting), len(self._slots), self.drain_per_s(), admission)
 
-    def queue_age_s(self) -> float:
-        """How long the oldest waiting sequence has waited (0 with no queue)."""
-        try:
-            return time.perf_counter() - self._waiting[0].submitted_at
-        except IndexError:  # no queue (the engine's thread may have emptied it since)
-            return 0.0
+    def drain_per_s(self) -> float:
+        """Sequences a second the slots should start, for admission: the rate measured over the last window,
+        or, where more, the one modelled from the step time and the lengths the slots hold (every slot
+        frees once its sequence has run its max_tokens). The measured rate counts demand as much as slots:
+        after a quiet spell (or at start) it is low whatever the slots could do, and would refuse a burst
+        the engine drains in a moment; the model ignores sequences that stop early, so it errs low too,
+        and the higher of the two is the better estimate."""
+        measured = self.drain.per_s()
+        occupied = self._occupant != 0
+        if self.step_s <= 0 or not occupied.any():
+            return measured
+        mean_tokens = float(self._budget[occupied].mean())
+        return max(measured, len(self._slots) / (max(mean_tokens, 1.0) * self.step_s))
+
+    def _time_step(self) -> None:
+        now = time.perf_counter()
+        if self._last_step_at is not None:
+            elapsed = now - self._last_step_at
+            self.step_s = elapsed if self.step_s == 0 else 0.9 * self.step_s + 0.1 * elapsed
+        self._last_step_at = now
 
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -437,6 +454,7 @@ class Engine:
                         while not self._stopping and not self._waiting and not self._has_running():
                             self._wakeup.wait()
                         self.idle_s += time.perf_counter() - idle_from
+                        self._last_step_at = None  # an idle gap is no step
                     if self._stopping:
                         return
                     cancelled, self._cancelled = self._cancelled, set()
@@ -449,6 +467,8 @@ class Engine:
                 self._collect()
                 if prefill is not None or launched is not None:
                     self._in_flight = _Iteration(prefill, launched)
+                if launched is not None:
+                    self._time_step()
                 self._flush_events()
         except BaseException as error:  # the loop must report any failure to every waiting caller
             logger.exception("engine loop failed")

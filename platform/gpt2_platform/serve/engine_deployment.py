@@ -118,12 +118,7 @@ class GPT2Engine:
         if admission is not None:
             stats = self.engine.stats()
             refusal = decide(
-                stats["running"],
-                stats["waiting"],
-                stats["max_batch_size"],
-                stats["drain_per_s"],
-                admission,
-                stats["queue_age_s"],
+                stats["running"], stats["waiting"], stats["max_batch_size"], stats["drain_per_s"], admission
             )
             if refusal is not None:
                 return {"refused": refusal.text()}
