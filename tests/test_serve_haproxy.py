@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,19 +122,24 @@ def test_haproxy_runs_the_launchers_config_and_keeps_the_api_key_and_the_apps_er
 
 
 def test_no_ingress_replica_up_is_a_json_503_with_retry_after(app):
-    servers = _ingress_servers(app)
-    assert servers, "HAProxy balances no ingress replica"
     client = openai.OpenAI(base_url=f"{app['url']}/v1", api_key=app["headers"]["Authorization"][7:], max_retries=0)
+    body = {"model": app["model"], "prompt": "hello", "max_tokens": 3}
+    servers: list[str] = []
     try:
-        for server in servers:  # as when every replica is down: HAProxy answers itself
-            _haproxy_command(app, f"set server {server} state maint")
-        response = httpx.post(
-            f"{app['url']}/v1/completions",
-            json={"model": app["model"], "prompt": "hello", "max_tokens": 3},
-            headers=app["headers"],
-            timeout=30,
-        )
-        assert response.status_code == 503
+        # As when every ingress replica is down, HAProxy answers itself. Serve reloads HAProxy as replicas
+        # change (a new process, with the servers' states from its config): try again if a reload came
+        # between the command and the request.
+        deadline = time.monotonic() + 60
+        while True:
+            servers = _ingress_servers(app)
+            assert servers, "HAProxy balances no ingress replica"
+            for server in servers:
+                _haproxy_command(app, f"set server {server} state maint")
+            response = httpx.post(f"{app['url']}/v1/completions", json=body, headers=app["headers"], timeout=30)
+            if response.status_code != 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert response.status_code == 503, response.text
         assert response.headers["content-type"] == "application/json"
         assert 1 <= int(response.headers["retry-after"]) <= 60
         error = response.json()["error"]
@@ -141,12 +147,12 @@ def test_no_ingress_replica_up_is_a_json_503_with_retry_after(app):
         assert "retry the request" in error["message"]
         # The official client reads it as the API's own error.
         with pytest.raises(openai.InternalServerError) as raised:
-            client.completions.create(model=app["model"], prompt="hello", max_tokens=3)
+            client.completions.create(**body)
         assert raised.value.status_code == 503 and raised.value.body["code"] == "no_replica_available"
     finally:
         for server in servers:
             _haproxy_command(app, f"set server {server} state ready")
-    assert client.completions.create(model=app["model"], prompt="hello", max_tokens=3).usage.completion_tokens == 3
+    assert client.completions.create(**body).usage.completion_tokens == 3
 
 
 def test_error_pages_are_whole_http_responses_in_openais_shape():
