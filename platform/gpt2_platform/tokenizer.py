@@ -66,7 +66,7 @@ def named_tokenizer_class(directory: Path) -> type[PreTrainedTokenizerBase] | No
 
     What AutoTokenizer does first, without importing transformers' auto classes: with transformers
     5.17 that import brings in its generation stack (torch._dynamo, sympy, scikit-learn where
-    installed), 6 s of every Ray actor's start-up on the GPU machine (docs/benchmarks.md, session 6).
+    installed), seconds of every Ray actor's start-up (docs/benchmarks/2026-12-01-s6-s7-pdl-startup-h200.md).
     None (then AutoTokenizer decides) for a hub name or a directory that names no class.
     """
     import transformers

@@ -3,7 +3,7 @@
     python tools/probes/capture_cost.py [--slots 1024] [--no-compile] [--top 25]
 
 A batch job's engine logs the graphs it captures on first use, and they take far longer than the prefills
-they record (docs/benchmarks.md, batch generation); a Serve replica's decode warm-up is slow per graph too,
+they record (docs/benchmarks/2026-12-03-s16-batch-h200.md); a Serve replica's decode warm-up is slow per graph too,
 with warm caches. This builds the engine's runner as a batch job does
 (GPT-2 124M, bf16, our decode kernels, the token pick compiled unless --no-compile), then profiles the
 greedy warm-up's decode captures and times each packed prefill group's first use, profiling the first:

@@ -94,8 +94,8 @@ GEMV_MAX_BATCH = 4
 """Up to this many rows, linears run as our GEMV kernel; past it, as cuBLAS GEMMs (see `TritonDecoder`).
 
 Where the two cross on an H200 (graph replay of the whole step, tools/probes/decode_step_variants.py;
-figures in docs/benchmarks.md, sessions 6-8): the GEMV wins clearly at 1-4 rows and loses from 8, because
-it reads the weights once per row."""
+docs/benchmarks/2026-12-01-s6-s7-pdl-startup-h200.md): the GEMV wins clearly at 1-4 rows and loses from 8,
+because it reads the weights once per row."""
 
 
 def linear_config(n: int, k: int) -> dict[str, int]:

@@ -42,7 +42,7 @@ GRAPHED_PREFILL_MAX = 64
 GRAPHED_PREFILL_TOKENS = 8192
 # Warm-up captures the prefill graphs up to this many tokens; larger ones (a batch job's) on first use, so
 # that a Serve replica's start-up does not pay for shapes it may never see (with all of them captured at
-# warm-up, the batch actor's warm-up grew: docs/benchmarks.md, current batch figures).
+# warm-up, the batch actor's warm-up grew: docs/benchmarks/2026-12-02-s13-batch-h200.md).
 WARM_PREFILL_TOKENS = 4096
 # From this many prompts admitted together (up to GRAPHED_PREFILL_TOKENS of them), a prefill runs packed: the
 # prompts back to back without padding (cache.PackedPrefillView), replayed as a graph per (prompts and tokens
@@ -87,12 +87,13 @@ def bucket_for(value: int, sizes: list[int]) -> int:
 def argmax_in_blocks(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """`torch.argmax(logits, dim=-1)` of `(B, V)` logits, in two passes: each block's max, then the best block.
 
-    One pass gives a row's 50K logits to one thread block, a long serial reduction when the batch is
-    small (11 us of an H200 decode step at batch 1), and inductor does not split an argmax itself.
+    One pass gives a row's 50K logits to one thread block, a long serial reduction that a small batch's
+    decode step waits on, and inductor does not split an argmax itself.
     Ties go to the first index, as with argmax: the first block holding the row's max, then the first
     index in it. The engine uses it on CUDA at batch <= 16 only: on an H200 it made the batch-1 step
-    faster and the batch-256 step slower (tools/probes/decode_step_variants.py; docs/benchmarks.md,
-    session 4). Batch sizes in between were not measured, nor is it used on CPUs.
+    faster and the batch-256 step slower (tools/probes/decode_step_variants.py;
+    docs/benchmarks/2026-12-01-s4-engine-best-of-3-h200.md). Batch sizes in between were not measured,
+    nor is it used on CPUs.
     """
     batch, vocab = logits.shape
     padded = torch.nn.functional.pad(logits.float(), (0, -vocab % block), value=float("-inf"))
@@ -657,7 +658,7 @@ class ModelRunner:
         `step` runs once first, outside the graph: that loads its kernels and sizes cuBLAS's workspace,
         which a capture cannot do. (It ran twice, as torch's examples do. The eager runs are most of a
         replica's warm-up, but it is each kernel's first use that costs, so dropping the second run saved
-        little: docs/benchmarks.md, a Serve replica's start. The GPU tests compare the graphs with the
+        little: docs/benchmarks/2026-12-03-s20-replica-start-h200.md. The GPU tests compare the graphs with the
         eager model.) `keep` are tensors it changes that must hold, after the capture, what they held
         before (a graph captured on first use, mid-sequence). All graphs share one memory pool: each
         output is read (copied to the host) right after its replay, before any other graph runs on the

@@ -73,10 +73,10 @@ class ServeLimits(BaseModel):
     stream_interval_ms: float = Field(20.0, ge=0.0, le=1000.0)
     """Least time between two SSE chunks of one stream (the first and last go at once); 0: every token.
 
-    Each chunk costs the replica a message to Serve's proxy, more host time than the token itself. On an
-    H200 (gpt2, 128 + 128 tokens, docs/benchmarks.md, session 8), 20 ms against every token streamed
-    2,062 against 1,114 tokens/s to one client and 15,743 against 10,990 to 256; text then arrives
-    in bursts of at most 50 a second, with the same time to first token."""
+    Each chunk costs the replica a message to Serve's proxy, more host time than the token itself, so
+    pacing the chunks lets a replica stream more tokens a second, to one client or to many; text then
+    arrives in bursts of at most 50 a second at the default, with the same time to first token
+    (docs/benchmarks/2026-12-01-s8-gemm-fusions-serve-h200.md)."""
 
 
 class AppArgs(BaseModel):
