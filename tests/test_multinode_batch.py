@@ -77,16 +77,24 @@ try:
     output = out / "interrupted"
     removed = {}
 
-    def remove_a_node() -> None:
-        while len(list((output / STAGING_NAME).glob("*/*.parquet"))) < 3:
-            time.sleep(0.02)
+    def engine_nodes() -> set:
         # The GCS's own table: the state API (list_actors) goes through the dashboard, which is off here.
+        # The reference run's actors are DEAD by now.
         actors = state.actors().values()
-        engine_nodes = {
+        return {
             a["Address"]["NodeID"] for a in actors if "MapWorker" in a["ActorClassName"] and a["State"] == "ALIVE"
         }
-        removed["engine_nodes"] = len(engine_nodes)
-        victim = next(w for w in workers if w.node_id in engine_nodes)
+
+    def remove_a_node() -> None:
+        # A loaded machine may stage the first batches before the second actor is up: wait for both.
+        deadline = time.monotonic() + 60
+        while len(list((output / STAGING_NAME).glob("*/*.parquet"))) < 3 or (
+            len(engine_nodes()) < 2 and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        nodes = engine_nodes()
+        removed["engine_nodes"] = len(nodes)
+        victim = next(w for w in workers if w.node_id in nodes)
         removed["staged"] = len(list((output / STAGING_NAME).glob("*/*.parquet")))
         removed["at"] = time.monotonic()
         cluster.remove_node(victim, allow_graceful=False)
