@@ -1,8 +1,9 @@
 """Triton kernels for the decode step: up to batch 4, a GPT-2 layer in five launches instead of about eleven.
 
-Why by hand: a decode step at small batch is a chain of small, latency-bound kernels. On an H200
-the compiled step of GPT-2 124M ran 139 kernels in 0.476 ms at batch 1, about 3.4 us each, while
-its weights would stream in about 50 us at the card's bandwidth (docs/benchmarks.md).
+Why by hand: a decode step at small batch is a chain of small, latency-bound kernels. The compiled
+step of GPT-2 124M launches over a hundred kernels at batch 1 and spends several times longer on their
+launches and gaps than its weights take to stream at the card's bandwidth
+(docs/benchmarks/2026-12-01-s5-decode-kernels-h200.md).
 cuBLAS, inductor's fusions and its Triton GEMM templates still give every layer norm, bias, GELU,
 residual add, cache write and attention its own kernel or its own GEMM. These kernels fold each
 of those into the GEMV that reads the weights anyway, or into the attention:
@@ -214,11 +215,9 @@ def decode_attention(
     batch = qkv.shape[0]
     _, two, heads, _, head_dim = kv.shape
     if block_t is None:
-        # H200, position 200 (tools/probes/triton_kernels.py): at batch 1, 256 positions a block took
-        # 3.8 us against 7.4 at 64 (and 16.3 for the cache write and masked SDPA of the torch path);
-        # at batch 64, 128 took 11.3 us against 13.5 at 256 (torch: 34.1). From 256 rows, where the
-        # attention is most of the step, 64 positions and 2 warps a program read the cache fastest
-        # (the probe's sweep at 256 and 1,024 rows, docs/benchmarks.md).
+        # Few rows leave most of the card idle, so each program takes a longer span of positions; many
+        # rows fill it, and from 256 rows (where the attention is most of the step) short blocks with 2
+        # warps read the cache fastest. tools/probes/triton_kernels.py sweeps these choices.
         block_t = 256 if batch <= 8 else 128 if batch < 256 else 64
     if num_warps is None:
         num_warps = 2 if batch >= 256 else 4

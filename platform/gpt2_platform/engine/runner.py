@@ -598,7 +598,7 @@ class ModelRunner:
         buffer = self.launches % 2
         self.launches += 1
         host, rows = self.host_staged[buffer], self.host_staged_rows[buffer]
-        # A few whole-row writes, whatever the batch: per-element tensor writes cost ~1.5 ms a step at batch 256.
+        # A few whole-row writes, whatever the batch: per-element tensor writes cost a large share of a step at big batch.
         rows[:3, :batch] = 0
         if fed is not None:
             rows[:3, :active] = fed
