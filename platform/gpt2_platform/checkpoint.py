@@ -326,8 +326,14 @@ def _head_weights(config: GPT2Config, state_dict: dict[str, torch.Tensor], sourc
     state_dict.pop("lm_head.weight", None)
 
 
-def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> GPT2:
-    """Load a GPT-2 from a local Hugging Face directory or a hub name.
+def load_pretrained(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    adapter: str | Path | None = None,
+) -> GPT2:
+    """Load a GPT-2 from a local Hugging Face directory or a hub name; `adapter`, a peft LoRA adapter
+    (directory or hub name), is merged into the weights (adapter.py), so the model runs at the base's speed.
 
     Every consumer (training's init_from, serving, batch) loads through here, so a config.json field
     this model does not implement is refused once, before any weights are read.
@@ -340,8 +346,24 @@ def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, devic
     raw: dict[str, torch.Tensor] = {}
     for file in files:
         raw.update(load_file(str(file)))
+    model = model_from_hf_weights(config, raw, directory)
+    if adapter is not None:  # merged in fp32, before the cast
+        from gpt2_platform.adapter import merge_adapter, read_adapter
+
+        merge_adapter(model, read_adapter(adapter), base=str(name_or_path))
+    return model.to(device=device, dtype=dtype)
+
+
+def model_from_hf_weights(config: GPT2Config, raw: dict[str, torch.Tensor], source: Path) -> GPT2:
+    """Our model of `config` holding a Hugging Face directory's tensors (`raw`, read from `source`) as its
+    parameters; weights that do not match the config are refused in one line."""
+    if any(".lora_A." in name or ".lora_B." in name for name in raw):
+        raise ValueError(
+            f"{source}: the weights hold LoRA adapters beside the base model (a LoRA run's checkpoint); load "
+            "the run's exported adapter over its base model, or its merged export"
+        )
     state_dict = from_hf_state_dict(raw)
-    _head_weights(config, state_dict, directory)
+    _head_weights(config, state_dict, source)
     # Built on the meta device, the model allocates and randomly initialises nothing: the file's tensors
     # become its parameters. (Initialising first cost 1.5B random draws for gpt2-xl, only to overwrite them.)
     with torch.device("meta"), _init_skipped():
@@ -358,7 +380,7 @@ def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, devic
     ]
     if missing or unexpected or wrong:
         raise ValueError(
-            f"{directory}: the weights do not match a GPT-2 of its config.json: "
+            f"{source}: the weights do not match a GPT-2 of its config.json: "
             + "; ".join(
                 f"{what} {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
                 for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
@@ -368,4 +390,4 @@ def load_pretrained(name_or_path: str, dtype: torch.dtype = torch.float32, devic
     model.load_state_dict(state_dict, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.transformer.wte.weight  # assign replaced wte's parameter: tie the head again
-    return model.to(device=device, dtype=dtype)
+    return model
