@@ -2,6 +2,7 @@
 
     python jobs/evaluate.py --model runs/demo-tiny/model --data heldout.txt [--block-size 128] [--json-out r.json]
     python jobs/evaluate.py --model runs/demo-tiny/model --validation-of runs/demo-tiny   # the run's val blocks
+    python jobs/evaluate.py --model openai-community/gpt2 --adapter runs/lora-1/adapter --data heldout.txt
     ray job submit --working-dir . -- python jobs/evaluate.py --model /shared/models/ft-1 --data /shared/heldout/
 
 The text is tokenized and packed into blocks of block_size + 1 tokens as training packs it, so on the same
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     add_config_arguments(parser, "engine.dtype=fp32")
     parser.add_argument("--model", help="model directory or hub name (same as --set model.path=...)")
     parser.add_argument(
+        "--adapter", help="a peft LoRA adapter directory for the model, merged into it at load (model.adapter)"
+    )
+    parser.add_argument(
         "--data", action="append", default=[], help="held-out text: file, directory or glob (repeatable)"
     )
     parser.add_argument("--validation-of", help="a training run's directory: score its validation blocks")
@@ -46,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         shortcuts = []
         for key, value in (
             ("model.path", args.model),
+            ("model.adapter", args.adapter),
             ("model.tokenizer", args.tokenizer),
             ("data.paths", args.data or None),
             ("data.validation_of", args.validation_of),

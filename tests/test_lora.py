@@ -5,18 +5,21 @@ one line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from conftest import free_port
-from gpt2_platform import checkpoint
+from conftest import REPO_ROOT, free_port
+from gpt2_platform import checkpoint, demo_data
 from gpt2_platform.adapter import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -279,3 +282,66 @@ def test_bad_adapters_are_refused_in_one_line(tmp_path: Path) -> None:
         with pytest.raises((ValueError, FileNotFoundError)) as error:
             checkpoint.load_pretrained(str(base_dir), adapter=adapter)
         assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_the_batch_job_checks_its_adapter_before_ray_and_fingerprints_it(tmp_path: Path) -> None:
+    from gpt2_platform.batch import config as batch_config
+    from gpt2_platform.batch import fingerprint
+    from gpt2_platform.batch.generate import resolve_adapter
+
+    with pytest.raises(ConfigError, match="model.adapter is empty"):
+        batch_config.load(None, ["model.path=m", "output.path=o", "model.adapter="])
+    assert batch_config.load(None, ["model.path=m", "output.path=o", "model.adapter=a"]).model.adapter == "a"
+    base_dir = save_base(lora_model(), tmp_path / "base")
+    adapter_dir = write_adapter(lora_model(), tmp_path / "adapter", base_dir)
+    write_adapter(lora_model(n_embd=32), tmp_path / "narrow", None)
+    assert resolve_adapter(None, base_dir, "m") == (None, None)
+    assert resolve_adapter(str(adapter_dir), base_dir, "m") == (str(adapter_dir.resolve()), adapter_dir.resolve())
+    with pytest.raises(ValueError, match="does not fit the model m"):
+        resolve_adapter(str(tmp_path / "narrow"), base_dir, "m")
+    plain = fingerprint.identity_sha256(fingerprint.model_identity(base_dir, None))
+    adapted = fingerprint.identity_sha256(fingerprint.model_identity(base_dir, None, adapter_dir))
+    other = fingerprint.identity_sha256(fingerprint.model_identity(base_dir, None, tmp_path / "narrow"))
+    assert len({plain, adapted, other}) == 3
+
+
+def _evaluate_main():
+    spec = importlib.util.spec_from_file_location("jobs_evaluate", REPO_ROOT / "jobs" / "evaluate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.mark.slow
+def test_evaluate_scores_the_base_with_its_adapter(
+    ray_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpt2_platform.train.data import TokenizeAndPack
+
+    model = lora_model()
+    base_dir = save_base(model, tmp_path / "base")
+    adapter_dir = write_adapter(model, tmp_path / "adapter", base_dir)
+    held_out = demo_data.write_jsonl(tmp_path / "held_out.jsonl", num_stories=20, seed=7)
+    evaluate_main = _evaluate_main()
+    out = tmp_path / "result.json"
+    quick = ["--set", "engine.dtype=fp32", "progress_bars=false", "scaling.num_actors=1"]
+    args = ["--model", str(base_dir), "--data", str(held_out), "--block-size", "64", *quick]
+    assert evaluate_main([*args, "--adapter", str(adapter_dir), "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+
+    # The blocks evaluate.py packs of the stories (tests/test_evaluate.py checks that packing), scored here.
+    stories = [json.loads(line)["text"] for line in held_out.read_text().splitlines()]
+    blocks = torch.as_tensor(TokenizeAndPack(str(base_dir), 64)({"text": np.array(stories, object)})["tokens"]).long()
+
+    def loss_of(m: GPT2) -> float:
+        with torch.no_grad():
+            return m(blocks[:, :-1], blocks[:, 1:])[1].item()
+
+    assert result["adapter"] == str(adapter_dir.resolve()) and result["blocks"] == len(blocks)
+    assert result["perplexity"] == pytest.approx(math.exp(loss_of(model)), rel=1e-4)
+    assert abs(result["perplexity"] - math.exp(loss_of(checkpoint.load_pretrained(str(base_dir))))) > 1e-2
+
+    capsys.readouterr()
+    assert evaluate_main([*args, "--adapter", str(tmp_path / "missing")]) == 2
+    errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "is not a directory" in errors[0]

@@ -78,10 +78,15 @@ class ModelConfig:
     """Model to generate with: a Hugging Face directory (as jobs/train.py exports) or a hub name."""
     tokenizer: str | None = None
     """Tokenizer: a directory, a hub name or 'byte'; null takes the one in the model directory."""
+    adapter: str | None = None
+    """A peft LoRA adapter for the model (a directory or hub name): merged into its weights at load, so the
+    engine runs at the base model's speed; null: the model alone."""
 
     def __post_init__(self) -> None:
         if not self.path:
             raise ConfigError("model.path is empty; set it to a model directory, e.g. --set model.path=runs/x/model")
+        if self.adapter == "":
+            raise ConfigError("model.adapter is empty; set it to a LoRA adapter directory, or null for none")
 
 
 @dataclass

@@ -173,7 +173,7 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
 
     from gpt2_platform import checkpoint
     from gpt2_platform.batch import fingerprint
-    from gpt2_platform.batch.generate import connect_and_plan_actors
+    from gpt2_platform.batch.generate import connect_and_plan_actors, resolve_adapter
     from gpt2_platform.batch.inputs import InputError
     from gpt2_platform.train.config import DataConfig
     from gpt2_platform.train.data import files_by_format, read_documents
@@ -211,7 +211,8 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
             block_size=block_size,
         )
         files_by_format(data)  # paths, formats, UTF-8 and the text column, before Ray starts
-    model_sha256 = fingerprint.identity_sha256(fingerprint.model_identity(model_dir, tokenizer))
+    adapter, adapter_dir = resolve_adapter(config.model.adapter, model_dir, model)
+    model_sha256 = fingerprint.identity_sha256(fingerprint.model_identity(model_dir, tokenizer, adapter_dir))
 
     num_actors, gpus_per_actor = connect_and_plan_actors(config.scaling)
     spec = WorkerSpec(
@@ -226,6 +227,7 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
         run_id="evaluate",
         staging_dir="",
         task="score",
+        adapter=adapter,
     )
     with _data_context(config.progress_bars):
         if run is not None:
@@ -260,6 +262,7 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
     wall_s = time.perf_counter() - started
     return {
         "model": model,
+        "adapter": adapter,
         "model_sha256": model_sha256,
         "data": source,
         "block_size": block_size,

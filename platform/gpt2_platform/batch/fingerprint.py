@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from gpt2_platform.adapter import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from gpt2_platform.checkpoint import CONFIG_NAME, WEIGHTS_INDEX_NAME
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,11 @@ def model_files(directory: Path, with_tokenizer: bool) -> list[Path]:
     if with_tokenizer:
         names += TOKENIZER_NAMES
     return [directory / name for name in sorted(set(names)) if (directory / name).is_file()]
+
+
+def adapter_files(directory: Path) -> list[Path]:
+    """A peft adapter directory's files that change the merged weights."""
+    return [directory / name for name in (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME) if (directory / name).is_file()]
 
 
 def tokenizer_files(directory: Path) -> list[Path]:
@@ -124,13 +130,16 @@ def combined(hashes: dict[str, str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def model_identity(model_dir: Path, tokenizer: str | None) -> dict[str, Any]:
-    """The model by content, not by path: hashes of its config, weights and tokenizer files (py).
+def model_identity(model_dir: Path, tokenizer: str | None, adapter_dir: Path | None = None) -> dict[str, Any]:
+    """The model by content, not by path: hashes of its config, weights and tokenizer files (py), and of the
+    LoRA adapter merged into it, if any.
 
     A tokenizer given by name ('byte', a hub name) is recorded by that name; one in a directory by its files.
     """
     files = model_files(model_dir, with_tokenizer=tokenizer is None)
     identity: dict[str, Any] = {"model_files": file_hashes(files, model_dir)}
+    if adapter_dir is not None:  # only then, so outputs written before adapters existed still resume
+        identity["adapter_files"] = file_hashes(adapter_files(adapter_dir), adapter_dir)
     if tokenizer is not None:
         tokenizer_dir = Path(tokenizer).expanduser()
         if tokenizer_dir.is_dir():
@@ -145,4 +154,5 @@ def identity_sha256(identity: dict[str, Any]) -> str:
     """One hash over a model_identity's file hashes (as an output's _manifest.json lists them): in a job's
     summary and in every row, the same value means the same weights, config and tokenizer."""
     tokenizer = {f"tokenizer/{name}": digest for name, digest in identity.get("tokenizer_files", {}).items()}
-    return combined({**identity["model_files"], **tokenizer})
+    adapter = {f"adapter/{name}": digest for name, digest in identity.get("adapter_files", {}).items()}
+    return combined({**identity["model_files"], **tokenizer, **adapter})

@@ -172,6 +172,21 @@ def data_context(progress_bars: bool) -> Iterator[None]:
         context.enable_progress_bars = before
 
 
+def resolve_adapter(adapter: str | None, model_dir: Path, model: str) -> tuple[str | None, Path | None]:
+    """`model.adapter` checked against the model on the driver, before Ray starts: (what the actors load, a local
+    adapter by its absolute path; the directory to fingerprint), or (None, None) without an adapter. A missing
+    adapter, one we cannot merge, or one trained on a base of another shape is refused in one line."""
+    if adapter is None:
+        return None, None
+    from gpt2_platform import checkpoint
+    from gpt2_platform.adapter import check_adapter, read_adapter
+
+    loaded = read_adapter(adapter)
+    check_adapter(loaded, checkpoint.read_config(model_dir), model)
+    directory = Path(loaded.source).resolve()
+    return (str(directory) if Path(adapter).expanduser().is_dir() else adapter), directory
+
+
 def new_run_id() -> str:
     return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
 
@@ -198,9 +213,10 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
     tokenizer = config.model.tokenizer
     if tokenizer is not None and Path(tokenizer).expanduser().is_dir():
         tokenizer = str(Path(tokenizer).expanduser().resolve())
+    adapter, adapter_dir = resolve_adapter(config.model.adapter, model_dir, model)
     num_input_rows = sum(f.num_rows for f in files)
     directory = output_directory(config.output.path)
-    model_id = fingerprint.model_identity(model_dir, tokenizer)
+    model_id = fingerprint.model_identity(model_dir, tokenizer, adapter_dir)
     model_sha256 = fingerprint.identity_sha256(model_id)
     columns = output_columns(config)
     resumed = output_lib.open_output(directory, job_identity(files, config, model_id, moderator), columns)
@@ -227,6 +243,7 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
                 moderator=moderator,
                 task=config.task,
                 profile=config.profile,
+                adapter=adapter,
             )
             logger.info(
                 "%s %d rows with %d actor(s) into %s",
@@ -244,6 +261,7 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
             "run_id": run_id,
             "output": str(directory),
             "model": model,
+            **({"adapter": adapter} if adapter is not None else {}),
             "model_sha256": model_sha256,
             "input_rows": num_input_rows,
             **stats,

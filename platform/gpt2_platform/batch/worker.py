@@ -72,6 +72,7 @@ class WorkerSpec:
     staging_dir: str  # where this run's actors write their files (output._staging/<run>)
     moderator: Moderator | None = None  # built on the driver from config.moderation; None: moderation off
     task: str = "generate"  # GenerateConfig.task
+    adapter: str | None = None  # a LoRA adapter merged into the model at load (generate.resolve_adapter)
     profile: ProfileConfig | None = None  # GenerateConfig.profile: a trace of the engine's steady state
 
 
@@ -108,7 +109,12 @@ def check_model(spec: WorkerSpec) -> None:
     directory = Path(spec.model)
     if not directory.is_dir():
         return
-    found = identity_sha256(model_identity(directory, spec.tokenizer))
+    adapter_dir = None
+    if spec.adapter is not None:
+        from gpt2_platform.adapter import resolve_adapter_dir
+
+        adapter_dir = resolve_adapter_dir(spec.adapter)
+    found = identity_sha256(model_identity(directory, spec.tokenizer, adapter_dir))
     if found != spec.model_sha256:
         raise ValueError(
             f"the model at {directory} is not the one this job started with (model_sha256 {found[:12]}..., "
@@ -136,7 +142,8 @@ class EngineWorker:
         self.spec = spec
         device = torch.device(spec.device)
         check_model(spec)
-        model = load_pretrained(spec.model, device=device).eval()
+        # An adapter is merged into the weights here: the engine reads weights directly and runs a plain model.
+        model = load_pretrained(spec.model, device=device, adapter=spec.adapter).eval()
         loaded = time.perf_counter()
         self.tokenizer = load_tokenizer(spec.tokenizer or spec.model)
         self.tokenizer.model_max_length = int(1e12)  # prompts are checked against the context here, not there
