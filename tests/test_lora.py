@@ -261,17 +261,17 @@ def test_bad_adapters_are_refused_in_one_line(tmp_path: Path) -> None:
     pickled.mkdir()
     (pickled / ADAPTER_CONFIG_NAME).write_text((good / ADAPTER_CONFIG_NAME).read_text())
     (pickled / "adapter_model.bin").write_bytes(b"")
-    dora = tmp_path / "dora"
-    dora.mkdir()
-    (dora / ADAPTER_WEIGHTS_NAME).write_bytes((good / ADAPTER_WEIGHTS_NAME).read_bytes())
-    (dora / ADAPTER_CONFIG_NAME).write_text(
-        json.dumps({**json.loads((good / ADAPTER_CONFIG_NAME).read_text()), "use_dora": True})
-    )
+    for name, change in (("dora", {"use_dora": True}), ("no-rank", {"r": "four"})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ADAPTER_WEIGHTS_NAME).write_bytes((good / ADAPTER_WEIGHTS_NAME).read_bytes())
+        fields = {**json.loads((good / ADAPTER_CONFIG_NAME).read_text()), **change}
+        (tmp_path / name / ADAPTER_CONFIG_NAME).write_text(json.dumps(fields))
     cases = [
         (tmp_path / "missing", "is not a directory"),
         (base_dir, f"holds no {ADAPTER_CONFIG_NAME}"),
         (pickled, "adapter_model.bin (pickle) is not loaded"),
-        (dora, "use_dora=True is not supported"),
+        (tmp_path / "dora", "use_dora=True is not supported"),
+        (tmp_path / "no-rank", "r and lora_alpha must be numbers > 0, got r='four'"),
         (
             tmp_path / "narrow",
             "maps 32 to 96 features, the model's 64 to 192; it was trained on another base model (tiny-32)",
