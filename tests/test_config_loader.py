@@ -33,6 +33,7 @@ class Inner:
 class Outer:
     inner: Inner = field(default_factory=Inner)
     title: str = "t"
+    extra: Inner | None = None
 
 
 def load(path: Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Outer:
@@ -77,7 +78,7 @@ def test_an_override_into_a_value_that_is_not_a_section_is_refused() -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("bogus=1", "unknown config key bogus; known keys: inner, title"),
+        ("bogus=1", "unknown config key bogus; known keys: extra, inner, title"),
         ("inner.bogus=1", "unknown config key inner.bogus; known keys of inner: count, flag,"),
     ],
 )
@@ -182,3 +183,17 @@ def test_set_takes_several_values_and_repeats() -> None:
     assert args.overrides == ["a.b=1", "c.d=2", "e.f=3"] and args.profile
     assert parser.parse_args([]).overrides == []
     assert load_tree(None, args.overrides) == {"a": {"b": 1}, "c": {"d": 2}, "e": {"f": 3}}
+
+
+def test_an_optional_section_is_off_when_null_and_its_defaults_when_empty(tmp_path: Path) -> None:
+    assert load().extra is None
+    assert load(overrides=["extra=null"]).extra is None
+    assert load(overrides=["extra={}"]).extra == Inner()
+    assert load(overrides=["extra.count=3"]).extra == Inner(count=3)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("extra:\n  mode: b\n")
+    assert load(recipe).extra == Inner(mode="b")
+    with pytest.raises(ConfigError, match=r"unknown config key extra\.nope"):
+        load(overrides=["extra.nope=1"])
+    with pytest.raises(ConfigError, match="inner.count must be >= 1"):
+        load(overrides=["extra.count=0"])

@@ -76,6 +76,17 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     raise AssertionError(f"unsupported annotation {annotation} at {where}")
 
 
+def _optional_section(annotation: Any) -> type | None:
+    """The dataclass X of a `X | None` field, else None."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    arms = typing.get_args(annotation)
+    present = [arm for arm in arms if arm is not type(None)]
+    if len(arms) == 2 and len(present) == 1 and dataclasses.is_dataclass(present[0]):
+        return present[0]
+    return None
+
+
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"{where or 'the config'} must be a mapping, got {values!r}")
@@ -91,8 +102,11 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     for name, value in values.items():
         path = f"{where}.{name}" if where else name
         annotation = hints[name]
+        optional = _optional_section(annotation)
         if dataclasses.is_dataclass(annotation):
             kwargs[name] = _build(annotation, value or {}, path)
+        elif optional is not None:  # a section that is off when null (e.g. model.lora); {} is its defaults
+            kwargs[name] = None if value is None else _build(optional, value, path)
         else:
             kwargs[name] = _coerce(value, annotation, path)
     try:
