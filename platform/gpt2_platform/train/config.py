@@ -8,10 +8,11 @@ The resolved config is saved beside every checkpoint (`config.yaml`).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 
@@ -22,6 +23,8 @@ CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune", "max-
 DataFormat = Literal["auto", "text", "jsonl", "parquet"]
 Strategy = Literal["ddp", "fsdp"]
 LossImpl = Literal["logits", "fused"]
+OptimizerName = Literal["adamw", "adamw8bit", "adamw4bit", "adamw_bf16"]
+OptimizerOffload = Literal["none", "optimizer", "optimizer_and_gradients"]
 
 
 @dataclass
@@ -86,8 +89,22 @@ class OptimConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    name: OptimizerName = "adamw"
+    """How AdamW holds its states (train/optim.py): adamw (fp32), adamw8bit or adamw4bit (torchao's low-bit
+    states), adamw_bf16 (the model, its gradients and the states in bf16, stochastic rounding)."""
+    offload: OptimizerOffload = "none"
+    """none; optimizer (states and step in CPU memory, one GPU worker); optimizer_and_gradients (also frees
+    each GPU gradient once copied: no gradient accumulation)."""
 
     def __post_init__(self) -> None:
+        for name, choices in (("name", OptimizerName), ("offload", OptimizerOffload)):
+            if getattr(self, name) not in get_args(choices):
+                raise ConfigError(
+                    f"optim.{name} {getattr(self, name)!r} is unknown; choose one of {', '.join(get_args(choices))}"
+                )
+        if (self.name != "adamw" or self.offload != "none") and importlib.util.find_spec("torchao") is None:
+            setting = f"optim.name={self.name}" if self.name != "adamw" else f"optim.offload={self.offload}"
+            raise ConfigError(f"{setting} needs torchao, which is not installed (pip install torchao)")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"optim.lr must be a positive finite number, got {self.lr}")
         if not (0 <= self.min_lr <= self.lr):  # also false for NaN
@@ -267,6 +284,43 @@ class Config:
             train.grad_accum_steps = train.global_batch_size // per_step
         else:
             train.global_batch_size = train.micro_batch_size * train.grad_accum_steps * workers
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        """The optim.name and optim.offload combinations that cannot work, refused before any worker starts."""
+        optim, train, scaling = self.optim, self.train, self.scaling
+        if optim.name == "adamw_bf16" and train.precision not in ("auto", "bf16"):
+            raise ConfigError(
+                f"optim.name=adamw_bf16 holds the weights in bf16, so train.precision={train.precision} cannot "
+                "apply; set train.precision=bf16 (or auto)"
+            )
+        if optim.offload == "none":
+            return
+        if not scaling.use_gpu:
+            raise ConfigError(
+                f"optim.offload={optim.offload} needs GPU workers (scaling.use_gpu=true): it moves what a GPU holds "
+                "into CPU memory, where CPU workers keep it already"
+            )
+        if scaling.strategy == "fsdp":
+            raise ConfigError(
+                f"optim.offload={optim.offload} does not work with scaling.strategy=fsdp (torchao's offload needs "
+                "whole gradients); use scaling.cpu_offload=true, or strategy=ddp on one worker"
+            )
+        if scaling.num_workers > 1:
+            raise ConfigError(
+                f"optim.offload={optim.offload} runs on one worker only (its backward hooks copy each gradient "
+                "before DDP averages it); set scaling.num_workers=1, or use scaling.strategy=fsdp with cpu_offload"
+            )
+        if train.precision == "fp16":
+            raise ConfigError(
+                f"optim.offload={optim.offload} cannot use train.precision=fp16 (the GradScaler would unscale the GPU "
+                "gradients, not the CPU copies the step uses); use bf16"
+            )
+        if optim.offload == "optimizer_and_gradients" and train.grad_accum_steps > 1:
+            raise ConfigError(
+                f"optim.offload=optimizer_and_gradients frees each gradient after backward, so "
+                f"train.grad_accum_steps={train.grad_accum_steps} cannot accumulate; use optim.offload=optimizer"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

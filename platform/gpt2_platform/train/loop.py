@@ -29,6 +29,7 @@ from gpt2_platform.train.config import Config, from_dict
 from gpt2_platform.train.loading import build_model
 from gpt2_platform.train.loss import LMLoss
 from gpt2_platform.train.metrics import TrainMetrics
+from gpt2_platform.train.optim import precision_for, weights_dtype
 from gpt2_platform.train.parallelize import parallelize
 from gpt2_platform.train.resume import (
     Resume,
@@ -369,8 +370,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     torch.manual_seed(tc.seed)
 
     model = build_model(config.model).to(device)
-    precision = resolve_precision(tc.precision, device)
+    precision = resolve_precision(precision_for(config.optim, tc.precision), device)
     resume = resume_checkpoint(run_dir, model, device, rank, loop_config.get("resume_from"))
+    model.to(weights_dtype(config.optim))  # after the checkpoint's fp32 weights are in
     scaling = config.scaling
     train_model = parallelize(
         model,

@@ -3,7 +3,8 @@
 The weights are a Hugging Face directory (checkpoint.py), beside them the optimizer and GradScaler state,
 the step counters and the run's config (file names in train/resume.py, which also decides which
 directory is whole enough to resume from). A sharded (FSDP) model is gathered whole first, so a DDP run
-and an FSDP run write the same directory.
+and an FSDP run write the same directory. The weights are written in fp32 whatever the run trains them in
+(optim.name=adamw_bf16 holds them in bf16), so the export is the same directory for every optimizer.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from gpt2_platform import checkpoint as ckpt
 from gpt2_platform.model import GPT2
 from gpt2_platform.train.config import Config, dump
+from gpt2_platform.train.optim import load_portable_state_dict, portable_state_dict, uses_portable_state
 from gpt2_platform.train.parallelize import is_sharded
 from gpt2_platform.train.resume import OPTIMIZER_STATE, SCALER_STATE, TRAIN_STATE
 from gpt2_platform.train.step import TrainStep
@@ -31,30 +33,38 @@ from gpt2_platform.train.step import TrainStep
 
 @dataclass
 class FullStates:
-    """A sharded (FSDP) model's weights and optimizer state, gathered whole: what rank 0 writes."""
+    """What rank 0 writes where it is not `model.state_dict()` and `optimizer.state_dict()`: a sharded (FSDP)
+    model's weights gathered whole, and its optimizer state (or any torchao optimizer's) by parameter name."""
 
-    model: dict[str, torch.Tensor]
+    model: dict[str, torch.Tensor] | None
     optimizer: dict
 
 
 def gather_full_states(model: GPT2, optimizer: torch.optim.Optimizer) -> FullStates | None:
     """On every rank (collectives): the full state dicts of a sharded model, on the CPU; None for a model
-    that is not sharded (every rank already holds it whole). The optimizer's is keyed by parameter name,
-    so it loads into any number of workers."""
-    if not is_sharded(model):
+    that is not sharded (every rank already holds it whole) under torch's AdamW. The optimizer's is keyed by
+    parameter name, so it loads into any number of workers; torchao's low-bit states are dequantized
+    (train/optim.py)."""
+    portable = uses_portable_state(optimizer)
+    if not is_sharded(model) and not portable:
         return None
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return FullStates(
-        get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
-    )
+    weights = get_model_state_dict(model, options=options) if is_sharded(model) else None
+    if portable:
+        return FullStates(weights, portable_state_dict(model, optimizer))
+    return FullStates(weights, get_optimizer_state_dict(model, optimizer, options=options))
 
 
 def load_optimizer_state(model: GPT2, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """A checkpoint's optimizer state into this run's optimizer, whatever wrote it.
+    """A checkpoint's optimizer state into this run's optimizer (the same optim.name and offload: the driver
+    refuses a change), whatever number of workers wrote it.
 
-    Keyed by parameter name (an FSDP run's): placed into any model, sharded or not. Keyed by position
-    (a DDP run's `optimizer.state_dict()`): loads into a model that is not sharded.
+    Keyed by parameter name (an FSDP run's, or any torchao optimizer's): placed into any model, sharded or not.
+    Keyed by position (a DDP run's `optimizer.state_dict()`): loads into a model that is not sharded.
     """
+    if uses_portable_state(optimizer):
+        load_portable_state_dict(model, optimizer, state)
+        return
     keyed_by_name = any(isinstance(key, str) for key in state.get("state", {}))
     if keyed_by_name:
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
@@ -72,7 +82,11 @@ def save_checkpoint(
 ) -> None:
     """Model (Hugging Face format), optimizer, scaler, step and config into one directory; a sharded
     model's from `full` (gathered on every rank beforehand)."""
-    ckpt.write_weights(model, directory, state_dict=full.model if full is not None else None)
+    weights = full.model if full is not None else None
+    if next(model.parameters()).dtype != torch.float32:  # bf16 to fp32 is exact, and resumes exactly
+        whole = ckpt.unwrap(model).state_dict() if weights is None else weights
+        weights = {name: tensor.float() for name, tensor in whole.items()}
+    ckpt.write_weights(model, directory, state_dict=weights)
     torch.save(full.optimizer if full is not None else step_fn.optimizer.state_dict(), directory / OPTIMIZER_STATE)
     if step_fn.precision.use_grad_scaler:
         torch.save(step_fn.scaler.state_dict(), directory / SCALER_STATE)

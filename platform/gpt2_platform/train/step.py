@@ -1,11 +1,12 @@
 """One optimizer step: mixed precision, gradient accumulation, clipping, AdamW, LR schedule.
 
+Which AdamW, and where its states live, is train/optim.py's.
+
 Independent of Ray, so the same step runs in tests, benchmarks and workers.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from contextlib import nullcontext
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from gpt2_platform.train.config import OptimConfig
 from gpt2_platform.train.loss import LossFn
+from gpt2_platform.train.optim import clip_gradients, make_optimizer, set_lr
 from gpt2_platform.train.parallelize import no_sync
 
 logger = logging.getLogger(__name__)
@@ -60,16 +62,13 @@ def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
     return optim.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (optim.lr - optim.min_lr)
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings only; fused kernels where available."""
+def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """optim.name's AdamW with weight decay on matrices and embeddings only; fused kernels where available."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # Fused needs every parameter on the GPU: FSDP's CPU offload keeps them (and this step) on the CPU.
-    on_gpu = device.type == "cuda" and all(p.device.type == "cuda" for p in params)
-    fused = on_gpu and "fused" in inspect.signature(torch.optim.AdamW).parameters
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), fused=fused or None)
+    return make_optimizer(groups, optim, device)
 
 
 class TrainStep:
@@ -105,8 +104,7 @@ class TrainStep:
         self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run forward/backward on each micro-batch and step; returns (mean loss, grad norm) on device."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         num_micro = len(micro_batches)
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
@@ -121,10 +119,7 @@ class TrainStep:
             self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         self.scaler.unscale_(self.optimizer)
-        if self.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        grad_norm = clip_gradients(self.model, self.optimizer, self.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

@@ -23,6 +23,7 @@ from gpt2_platform.train.config import Config, dump
 from gpt2_platform.train.data import TOKENS_COLUMN, Datasets, build_datasets, files_by_format
 from gpt2_platform.train.loading import model_config
 from gpt2_platform.train.loop import HISTORY, train_loop_per_worker
+from gpt2_platform.train.optim import check_same_setting
 from gpt2_platform.train.resources import cluster_room
 from gpt2_platform.train.resume import RUN_CONFIG, Resume, choose_checkpoint
 from gpt2_platform.train.step import lr_at
@@ -142,8 +143,10 @@ def check_resume(config: Config, run_dir: Path) -> Resume | None:
             lr_at(tc.max_steps, config.optim, resume.schedule_steps),
             config.optim.min_lr,
         )
+    saved = yaml.safe_load((resume.directory / RUN_CONFIG).read_text())
+    check_same_setting(config.optim, saved)
     if tc.max_steps > resume.step:
-        keep_global_batch(config, yaml.safe_load((resume.directory / RUN_CONFIG).read_text()))
+        keep_global_batch(config, saved)
     return resume
 
 

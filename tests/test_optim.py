@@ -1,0 +1,189 @@
+"""gpt2_platform.train.optim: each optim.name trains, checkpoints (as run_checkpoint writes it) and resumes to the
+losses of an uninterrupted run; the settings that cannot work are refused in one line naming the setting."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2_platform.config_loader import ConfigError
+from gpt2_platform.train.config import Config, OptimConfig, load
+from gpt2_platform.train.optim import precision_for, weights_dtype
+from gpt2_platform.train.run_checkpoint import (
+    gather_full_states,
+    load_optimizer_state,
+    read_checkpoint,
+    save_checkpoint,
+)
+from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision
+from helpers_unit import random_ids, tiny_model
+
+CPU = torch.device("cpu")
+NAMES = ["adamw", "adamw8bit", "adamw4bit", "adamw_bf16"]
+NUM_STEPS, SAVE_AT = 6, 3
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ids = [random_ids(4, 33, seed=number % 2) for number in range(NUM_STEPS)]  # two batches, learnable
+    return [(t[:, :-1], t[:, 1:]) for t in ids]
+
+
+def _train(name: str, directory: Path, save: bool, precision: str = "fp32") -> list[float]:
+    """Steps SAVE_AT+1.. of the tiny model, from a checkpoint in `directory` or (save) from scratch through
+    SAVE_AT, writing it there. The RNG is reseeded at SAVE_AT (bf16's stochastic rounding draws from it)."""
+    optim = OptimConfig(name=name, lr=3e-3, warmup_steps=0)
+    model = tiny_model(seed=0)
+    saved = None if save else read_checkpoint(directory, model, CPU)
+    model.to(weights_dtype(optim))
+    optimizer = build_optimizer(model, optim, CPU)
+    if saved is not None:
+        load_optimizer_state(model, optimizer, saved.optimizer)
+    step = TrainStep(model, optimizer, resolve_precision(precision_for(optim, precision), CPU), CPU, grad_clip=1.0)
+    losses = []
+    for number, batch in enumerate(_batches(), start=1):
+        if number == SAVE_AT + 1:
+            torch.manual_seed(7)
+            if save:
+                config = Config(optim=optim)
+                save_checkpoint(directory, model, step, {"step": SAVE_AT}, config, gather_full_states(model, optimizer))
+        if save or number > SAVE_AT:
+            losses.append(float(step([batch], lr=3e-3)[0]))
+    return losses
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_optimizer_trains_checkpoints_and_resumes_to_the_uninterrupted_losses(name: str, tmp_path: Path) -> None:
+    uninterrupted = _train(name, tmp_path, save=True)
+    assert all(math.isfinite(x) for x in uninterrupted) and uninterrupted[-1] < uninterrupted[0], uninterrupted
+    resumed = _train(name, tmp_path, save=False)
+    # Low-bit moments are quantized again on load: a block whose largest moment is negative gets a scale one
+    # step of the signed code map smaller, which moves the next losses in their fourth or fifth digit.
+    tolerance = 1e-3 if name in ("adamw8bit", "adamw4bit") else 1e-6
+    assert resumed == pytest.approx(uninterrupted[SAVE_AT:], rel=tolerance, abs=0), name
+    # The checkpoint loads without unpickling anything but tensors, and its weights are fp32 whatever trained.
+    torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    weights = read_checkpoint(tmp_path, tiny_model(), CPU)
+    assert weights is not None
+
+
+def test_low_bit_states_are_low_bit_and_bf16_holds_everything_in_bf16() -> None:
+    for name, kind in (("adamw8bit", "OptimState8bit"), ("adamw4bit", "OptimState4bit")):
+        model = tiny_model()
+        optimizer = build_optimizer(model, OptimConfig(name=name), CPU)
+        TrainStep(model, optimizer, resolve_precision("fp32", CPU), CPU, 1.0)([_batches()[0]], lr=1e-3)
+        big = model.transformer.h[0].mlp.c_fc.weight
+        assert type(optimizer.state[big]["exp_avg"]).__name__ == kind
+    model = tiny_model().to(weights_dtype(OptimConfig(name="adamw_bf16")))
+    optimizer = build_optimizer(model, OptimConfig(name="adamw_bf16"), CPU)
+    TrainStep(model, optimizer, resolve_precision("bf16", CPU), CPU, 1.0)([_batches()[0]], lr=1e-3)
+    for p in model.parameters():
+        assert p.dtype == optimizer.state[p]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_a_low_bit_optimizer_steps_under_the_fp16_grad_scaler() -> None:
+    model = tiny_model()
+    step = TrainStep(
+        model, build_optimizer(model, OptimConfig(name="adamw8bit"), CPU), resolve_precision("fp16", CPU), CPU, 1.0
+    )
+    losses = [float(step([_batches()[0]], lr=3e-3)[0]) for _ in range(4)]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["optim.name=adam9bit"], r"optim.name .*'adam9bit'"),
+        (["optim.offload=disk"], r"optim.offload .*'disk'"),
+        (["optim.offload=optimizer"], "optim.offload=optimizer needs GPU workers"),
+        (["optim.name=adamw_bf16", "train.precision=fp16"], "optim.name=adamw_bf16 holds the weights in bf16"),
+        (["optim.name=adamw_bf16", "train.precision=fp32"], "train.precision=fp32 cannot apply"),
+        (["optim.offload=optimizer", "scaling.use_gpu=true", "scaling.strategy=fsdp"], "scaling.strategy=fsdp"),
+        (["optim.offload=optimizer", "scaling.use_gpu=true", "scaling.num_workers=2"], "one worker only"),
+        (["optim.offload=optimizer", "scaling.use_gpu=true", "train.precision=fp16"], "train.precision=fp16"),
+        (
+            ["optim.offload=optimizer_and_gradients", "scaling.use_gpu=true", "train.grad_accum_steps=2"],
+            "train.grad_accum_steps=2 cannot accumulate",
+        ),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_in_one_line(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected) as refused:
+        load(None, overrides)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_missing_torchao_is_refused_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "torchao" else find_spec(name))
+    with pytest.raises(ConfigError, match=r"optim.name=adamw8bit needs torchao, which is not installed"):
+        OptimConfig(name="adamw8bit")
+    assert OptimConfig().name == "adamw"  # the default needs nothing more
+
+
+@pytest.mark.slow
+def test_an_fsdp_adamw8bit_run_resumes_on_fewer_workers_and_refuses_another_optimizer(ray_cluster, corpus, tmp_path):
+    from safetensors import safe_open
+
+    from conftest import tiny_config
+    from gpt2_platform.train.loop import HISTORY
+    from gpt2_platform.train.resume import OPTIMIZER_STATE
+    from gpt2_platform.train.trainer import fit
+
+    overrides = ["optim.name=adamw8bit", "scaling.strategy=fsdp", "train.checkpoint_every=3", "train.eval_every=0"]
+    first = fit(tiny_config(corpus, tmp_path, *overrides, "scaling.num_workers=2", "train.max_steps=6"))
+    state = torch.load(first.checkpoint_dir / OPTIMIZER_STATE, weights_only=True)["state"]
+    moments = state["transformer.h.0.mlp.c_fc.weight"]
+    assert int(moments["step"]) == 6 and type(moments["exp_avg"]) is torch.Tensor  # dequantized, whole
+    assert moments["exp_avg"].shape == (256, 64)
+
+    # On one worker: the whole states are quantized again into that worker's blocks.
+    again = fit(tiny_config(corpus, tmp_path, *overrides, "scaling.num_workers=1", "train.max_steps=8"))
+    records = [json.loads(line) for line in (again.run_dir / HISTORY).read_text().splitlines()]
+    assert [r["start_step"] for r in records if r.get("event") == "start"] == [0, 6]
+    state = torch.load(again.checkpoint_dir / OPTIMIZER_STATE, weights_only=True)["state"]
+    assert int(state["transformer.h.0.mlp.c_fc.weight"]["step"]) == 8, "no optimizer step repeated or skipped"
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < losses[0], losses
+    with safe_open(str(again.model_dir / "model.safetensors"), framework="pt") as weights:
+        assert {weights.get_tensor(key).dtype for key in weights.keys()} == {torch.float32}
+
+    with pytest.raises(ConfigError, match="optim.name=adamw cannot resume this run's checkpoint") as refused:
+        fit(tiny_config(corpus, tmp_path, "scaling.num_workers=1", "train.max_steps=10"))
+    assert "\n" not in str(refused.value)
+
+
+QUIET_PROBE = """
+import sys
+import torch
+from gpt2_platform.model import GPT2, preset
+from gpt2_platform.train.config import OptimConfig
+from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision
+
+cpu = torch.device("cpu")
+model = GPT2(preset("tiny"))
+build_optimizer(model, OptimConfig(), cpu)
+print("torchao after adamw:", "torchao" in sys.modules)
+optimizer = build_optimizer(model, OptimConfig(name="adamw8bit"), cpu)
+ids = torch.randint(0, 257, (2, 17))
+TrainStep(model, optimizer, resolve_precision("fp32", cpu), cpu, 1.0)([(ids[:, :-1], ids[:, 1:])], lr=1e-3)
+print("stepped")
+"""
+
+
+def test_torchao_is_imported_only_when_chosen_and_quietly() -> None:
+    """Its import logs a warning for each CUDA extension a CPU install lacks, and one from torch's pytree."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    env = {"PYTHONPATH": str(REPO_ROOT / "platform"), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    done = subprocess.run([sys.executable, "-c", QUIET_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "torchao after adamw: False\nstepped\n" and done.stderr == "", done.stderr
