@@ -3,7 +3,11 @@
 Each (model, setup, memory cap) runs in a child process of its own: `set_per_process_memory_fraction`
 holds the process to the cap as a smaller card would, and an out-of-memory error ends only that child.
 The child trains as the Ray Train workers do (`parallelize`, `TrainStep`, the padded-vocabulary loss),
-as a one-process group so that FSDP is the real FSDP2.
+as a one-process group so that FSDP is the real FSDP2. A setup's `optim` is its OptimConfig (train/optim.py):
+torchao's low-bit states, bf16 weights with stochastic rounding, or the optimizer offloaded to the CPU.
+
+`loss_curve` trains a setup on real text instead (no cap): `jobs/bench_memory.py --parity-steps` compares
+each setup's loss with the reference setup's (bf16 autocast, fp32 AdamW) from the same init and data.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 SETUPS = {
     "ddp": {},
     "ddp + checkpointing": {"checkpointing": True},
@@ -24,7 +31,22 @@ SETUPS = {
     "fsdp + checkpointing": {"fsdp": True, "checkpointing": True},
     "fsdp + offload": {"fsdp": True, "offload": True},
     "fsdp + offload + checkpointing": {"fsdp": True, "offload": True, "checkpointing": True},
+    "ddp + adamw8bit + checkpointing": {"checkpointing": True, "optim": {"name": "adamw8bit"}},
+    "ddp + adamw4bit + checkpointing": {"checkpointing": True, "optim": {"name": "adamw4bit"}},
+    "ddp + adamw_bf16": {"optim": {"name": "adamw_bf16"}},
+    "ddp + adamw_bf16 + checkpointing": {"checkpointing": True, "optim": {"name": "adamw_bf16"}},
+    "ddp + offload optimizer + checkpointing": {"checkpointing": True, "optim": {"offload": "optimizer"}},
+    "ddp + offload optimizer and gradients + checkpointing": {
+        "checkpointing": True,
+        "optim": {"offload": "optimizer_and_gradients"},
+    },
+    "ddp + adamw_bf16 + offload optimizer + checkpointing": {
+        "checkpointing": True,
+        "optim": {"name": "adamw_bf16", "offload": "optimizer"},
+    },
 }
+REFERENCE_SETUP = "ddp"
+"""The loss curves' reference: bf16 autocast over fp32 weights, torch's fp32 AdamW."""
 
 
 @dataclass
@@ -40,18 +62,39 @@ class Run:
     error: str | None = None
 
 
-def run_one(preset_name: str, setup: str, cap_gib: float | None, batch_size: int, seq_len: int, steps: int) -> Run:
-    """In this process: train `steps` steps (after one untimed) under the cap; the peaks and the speed."""
-    import torch
-    import torch.distributed as dist
-
+def build_setup(preset_name: str, setup: str, device: torch.device, compile_mode: str = "off"):
+    """The setup's model (seed 0), wrapped and stepped as a Ray Train worker would: a TrainStep."""
     from gpt2_platform.model import GPT2, preset
     from gpt2_platform.train.config import OptimConfig
     from gpt2_platform.train.loss import LMLoss
+    from gpt2_platform.train.optim import precision_for, weights_dtype
     from gpt2_platform.train.parallelize import parallelize
     from gpt2_platform.train.step import TrainStep, build_optimizer, resolve_precision
 
     options = SETUPS[setup]
+    optim = OptimConfig(**options.get("optim", {}))
+    torch.manual_seed(0)
+    with device:  # built on the GPU: initialising 1.5B parameters on the CPU takes longer than the run
+        model = GPT2(preset(preset_name))
+    model.to(weights_dtype(optim))
+    precision = resolve_precision(precision_for(optim, "bf16"), device)
+    train_model = parallelize(
+        model,
+        device,
+        compile_mode,
+        options.get("checkpointing", False),
+        "fsdp" if options.get("fsdp") else "ddp",
+        precision.autocast_dtype,
+        options.get("offload", False),
+    )
+    optimizer = build_optimizer(model, optim, device)
+    return model, TrainStep(train_model, optimizer, precision, device, 1.0, loss_fn=LMLoss("logits", 128))
+
+
+def run_one(
+    preset_name: str, setup: str, cap_gib: float | None, batch_size: int, seq_len: int, steps: int, compile_mode: str
+) -> Run:
+    """In this process: train `steps` steps (after one untimed) under the cap; the peaks and the speed."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     if cap_gib is not None:
@@ -59,22 +102,7 @@ def run_one(preset_name: str, setup: str, cap_gib: float | None, batch_size: int
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), device)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
     try:
-        torch.manual_seed(0)
-        with device:  # built on the GPU: initialising 1.5B parameters on the CPU takes longer than the run
-            model = GPT2(preset(preset_name))
-        precision = resolve_precision("bf16", device)
-        strategy = "fsdp" if options.get("fsdp") else "ddp"
-        train_model = parallelize(
-            model,
-            device,
-            "off",
-            options.get("checkpointing", False),
-            strategy,
-            precision.autocast_dtype,
-            options.get("offload", False),
-        )
-        optimizer = build_optimizer(model, OptimConfig(), device)
-        step = TrainStep(train_model, optimizer, precision, device, 1.0, loss_fn=LMLoss("logits", 128))
+        model, step = build_setup(preset_name, setup, device, compile_mode)
         tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq_len + 1), device=device)
         batch = [(tokens[:, :-1], tokens[:, 1:])]
         step(batch, lr=1e-4)
@@ -100,24 +128,67 @@ def run_one(preset_name: str, setup: str, cap_gib: float | None, batch_size: int
         dist.destroy_process_group()
 
 
+def loss_curve(preset_name: str, setup: str, batches: list[torch.Tensor], compile_mode: str) -> list[float]:
+    """In this process, on the GPU if there is one: the setup's training loss at each step over `batches`
+    (seed 0, the default OptimConfig's schedule over len(batches) steps)."""
+    from gpt2_platform.train.config import OptimConfig
+    from gpt2_platform.train.step import lr_at
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
+    try:
+        _, step = build_setup(preset_name, setup, device, compile_mode)
+        losses = []
+        for number, tokens in enumerate(batches, start=1):
+            tokens = tokens.to(device)
+            loss, _ = step([(tokens[:, :-1], tokens[:, 1:])], lr=lr_at(number, OptimConfig(), len(batches)))
+            losses.append(loss.detach())
+        return torch.stack(losses).float().tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+def final_loss(curve: list[float], window: int = 10) -> float:
+    """The mean loss of the last `window` steps: one step's loss is too noisy to compare."""
+    return sum(curve[-window:]) / len(curve[-window:])
+
+
+def parity_as_markdown(curves: dict[str, list[float]], tolerance: float = 0.01) -> str:
+    """Each setup's final loss against the reference's, and whether it is within `tolerance` (relative)."""
+    reference = final_loss(curves[REFERENCE_SETUP])
+    lines = ["| setup | final loss | vs reference | within 1% |", "|---|---|---|---|"]
+    for setup, curve in curves.items():
+        gap = final_loss(curve) / reference - 1
+        lines.append(
+            f"| {setup} | {final_loss(curve):.4f} | {100 * gap:+.2f}% | {'yes' if abs(gap) <= tolerance else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def run_in_child(script: Path, preset_name: str, setup: str, cap_gib: float | None, args: list[str]) -> Run:
-    """`script --one ...` in a fresh process: the cap and any out-of-memory stay there."""
+def child(script: Path, preset_name: str, setup: str, args: list[str]) -> tuple[dict | None, str]:
+    """`script --one ...` in a fresh process (a cap, an out-of-memory and compile's caches stay there): the
+    JSON line it printed, or None and the tail of what it said."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     command = [sys.executable, str(script), "--one", preset_name, setup, *args]
-    if cap_gib is not None:
-        command += ["--cap-gib", str(cap_gib)]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
-            return Run(**json.loads(line))
+            return json.loads(line), ""
     tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-    return Run(preset_name, setup, cap_gib, fits=False, error=f"child exited {done.returncode}: {' | '.join(tail)}")
+    return None, f"child exited {done.returncode}: {' | '.join(tail)}"
+
+
+def run_in_child(script: Path, preset_name: str, setup: str, cap_gib: float | None, args: list[str]) -> Run:
+    """One memory run in a child process."""
+    found, error = child(script, preset_name, setup, [*args, *(["--cap-gib", str(cap_gib)] if cap_gib else [])])
+    return Run(**found) if found is not None else Run(preset_name, setup, cap_gib, fits=False, error=error)
 
 
 def smallest_cap(script: Path, preset_name: str, setup: str, caps: list[float], args: list[str], log) -> list[Run]:
