@@ -187,3 +187,39 @@ def test_torchao_is_imported_only_when_chosen_and_quietly() -> None:
     done = subprocess.run([sys.executable, "-c", QUIET_PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == "torchao after adamw: False\nstepped\n" and done.stderr == "", done.stderr
+
+
+class _Copied:
+    def synchronize(self) -> None:
+        pass
+
+
+class CPUOffloadOptimizer:
+    """What clip_gradients reads of torchao's (which needs CUDA to be built): the CPU copies of the offloaded
+    parameters, the events of their gradients' copies, and the small parameters left on the device."""
+
+    def __init__(self, offloaded: list[tuple[torch.Tensor, torch.Tensor]], kept: list[torch.Tensor]) -> None:
+        self.param_d2h_map = dict(offloaded)
+        self.queue = {device: _Copied() for device, _ in offloaded}
+        self.d_param_groups = [{"params": kept}]
+
+
+def test_offloaded_clipping_measures_and_clips_the_cpu_copies_the_step_uses() -> None:
+    from gpt2_platform.train.optim import clip_gradients
+
+    def param(grad: list[float] | None) -> torch.Tensor:
+        p = torch.zeros(2, requires_grad=True)
+        p.grad = None if grad is None else torch.tensor(grad)
+        return p
+
+    device_a, host_a = param(None), param([3.0, 0.0])  # the GPU gradient already freed (optimizer_and_gradients)
+    device_b, host_b = param([100.0, 100.0]), param([0.0, 4.0])  # a GPU gradient left over: not what steps
+    kept = param([0.0, 12.0])
+    optimizer = CPUOffloadOptimizer([(device_a, host_a), (device_b, host_b)], [kept])
+    model = torch.nn.ParameterList([device_a, device_b, kept])
+    norm = clip_gradients(model, optimizer, max_norm=6.5)  # type: ignore[arg-type]
+    assert float(norm) == pytest.approx(13.0)  # sqrt(3² + 4² + 12²)
+    scale = 6.5 / 13.0
+    torch.testing.assert_close(host_a.grad, torch.tensor([3.0 * scale, 0.0]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kept.grad, torch.tensor([0.0, 12.0 * scale]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(device_b.grad, torch.tensor([100.0, 100.0]))

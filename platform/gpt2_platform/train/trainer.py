@@ -23,6 +23,7 @@ from gpt2_platform.train.config import Config, dump
 from gpt2_platform.train.data import TOKENS_COLUMN, Datasets, build_datasets, files_by_format
 from gpt2_platform.train.loading import model_config
 from gpt2_platform.train.loop import HISTORY, train_loop_per_worker
+from gpt2_platform.train.lora_run import check_same_lora, export_lora_run
 from gpt2_platform.train.optim import check_same_setting
 from gpt2_platform.train.resources import cluster_room
 from gpt2_platform.train.resume import RUN_CONFIG, Resume, choose_checkpoint
@@ -145,6 +146,7 @@ def check_resume(config: Config, run_dir: Path) -> Resume | None:
         )
     saved = yaml.safe_load((resume.directory / RUN_CONFIG).read_text())
     check_same_setting(config.optim, saved)
+    check_same_lora(config.model.lora, saved)
     if tc.max_steps > resume.step:
         keep_global_batch(config, saved)
     return resume
@@ -280,7 +282,10 @@ def _train_and_export(config: Config, run_dir: Path, resume: Resume | None) -> T
     final = choose_checkpoint(run_dir, Path(result.checkpoint.path) if result.checkpoint is not None else None)
     if final is None:
         raise RuntimeError(f"training finished without a checkpoint in {run_dir}; see the worker logs above")
-    model_dir = export_model(final.directory, config, run_dir / FINAL_MODEL_DIR)
+    if config.model.lora is not None:
+        model_dir = export_lora_run(final.directory, config, run_dir, run_dir / FINAL_MODEL_DIR)
+    else:
+        model_dir = export_model(final.directory, config, run_dir / FINAL_MODEL_DIR)
     logger.info("model exported to %s (history: %s)", model_dir, run_dir / HISTORY)
     return TrainResult(
         run_dir=run_dir,
