@@ -148,10 +148,12 @@ def export_lora(
     base_name_or_path: str | Path | None,
     merged_dir: str | Path | None = None,
     extra: Callable[[Path], None] | None = None,
+    base_dir: str | Path | None = None,
 ) -> None:
     """A LoRA run's checkpoint (a Hugging Face directory whose weights also hold the adapters) as a peft
-    adapter directory and, given `merged_dir`, the base with the adapter merged in; each replaces any
-    earlier export, atomically, and `extra(dir)` may add files (a tokenizer) to each."""
+    adapter directory and, given `merged_dir`, the base with the adapter merged in; given `base_dir`, the base
+    alone (for a run whose base exists nowhere else: fresh weights of a preset). Each replaces any earlier
+    export, atomically, and `extra(dir)` may add files (a tokenizer) to each."""
     checkpoint_dir = Path(checkpoint_dir)
     raw: dict[str, torch.Tensor] = {}
     for file in checkpoint.weight_files(checkpoint_dir):
@@ -164,10 +166,14 @@ def export_lora(
         if extra is not None:
             extra(stage)
     logger.info("saved LoRA adapter (r=%d, %d modules) to %s", lora.r, len(tensors) // 2, adapter_dir)
-    if merged_dir is None:
+    if merged_dir is None and base_dir is None:
         return
     base = {name: t for name, t in raw.items() if not is_lora_key(name)}
     model = checkpoint.model_from_hf_weights(checkpoint.read_config(checkpoint_dir), base, checkpoint_dir)
+    if base_dir is not None:
+        checkpoint.save_pretrained(model, base_dir, overwrite=True, extra=extra)
+    if merged_dir is None:
+        return
     merge_adapter(model, _adapter_from(str(checkpoint_dir), peft_config(lora, None), tensors))
     checkpoint.save_pretrained(model, merged_dir, overwrite=True, extra=extra)
 

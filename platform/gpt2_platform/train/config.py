@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 import yaml
 
 from gpt2_platform.config_loader import ConfigError, build, load_tree
+from gpt2_platform.lora import LoraConfig
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -35,6 +36,9 @@ class ModelConfig:
     """Start from these weights: a local Hugging Face directory or a hub name (e.g. openai-community/gpt2)."""
     dropout: float = 0.0
     """Dropout probability for embeddings, attention output and MLP output."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters on a frozen base instead of every weight (null: full fine-tuning; {}: the defaults).
+    The run exports a peft adapter (and, with export_merged, the merged model)."""
 
     def __post_init__(self) -> None:
         from gpt2_platform.model import PRESETS

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from gpt2_platform import checkpoint
+from gpt2_platform.lora import apply_lora
 from gpt2_platform.model import GPT2, GPT2Config, preset
 from gpt2_platform.train.config import ModelConfig
 
@@ -18,13 +19,17 @@ def model_config(config: ModelConfig) -> GPT2Config:
 
 
 def build_model(config: ModelConfig) -> GPT2:
-    """A GPT-2 on CPU in fp32: fresh from a preset, or loaded from init_from."""
+    """A GPT-2 on CPU in fp32: fresh from a preset, or loaded from init_from; with model.lora, its base frozen
+    and adapters added (before a resume loads the checkpoint, whose weights hold the adapters too)."""
     if config.init_from is None:
-        return GPT2(model_config(config))
-    model = checkpoint.load_pretrained(config.init_from)
-    if model.config.dropout != config.dropout:
-        # Dropout has no weights; rebuild with the run's rate and copy the weights over.
-        fresh = GPT2(dataclasses.replace(model.config, dropout=config.dropout))
-        fresh.load_state_dict(model.state_dict())
-        model = fresh
+        model = GPT2(model_config(config))
+    else:
+        model = checkpoint.load_pretrained(config.init_from)
+        if model.config.dropout != config.dropout:
+            # Dropout has no weights; rebuild with the run's rate and copy the weights over.
+            fresh = GPT2(dataclasses.replace(model.config, dropout=config.dropout))
+            fresh.load_state_dict(model.state_dict())
+            model = fresh
+    if config.lora is not None:
+        apply_lora(model, config.lora)
     return model
