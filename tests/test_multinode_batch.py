@@ -2,21 +2,13 @@
 multi-node Ray on this machine (`ray.cluster_utils.Cluster`, as Ray's own tests build one), one node removed
 mid-job; the job still finishes with exactly one row per id, each the same as an uninterrupted run's.
 
-The cluster has its own driver, so it runs in a subprocess (the session's `ray_cluster` holds this process's
-driver); every process it starts carries a marker in its environment, which the test uses to check that none
-survives.
+The cluster runs in a driver subprocess of its own (tests/helpers_multinode.py), which the test checks leaves
+no process behind.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,6 +20,7 @@ from gpt2_platform import checkpoint
 from gpt2_platform.batch.output import part_files
 from gpt2_platform.model import GPT2, preset
 from gpt2_platform.tokenizer import byte_tokenizer
+from helpers_multinode import run_driver
 
 pytestmark = pytest.mark.slow
 
@@ -147,22 +140,6 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def marked_processes() -> list[int]:
-    """Pids of live processes whose environment holds MARKER_VAR (every process the driver started)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes()
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if f"{MARKER_VAR}=1".encode() in environ.split(b"\0") and state != "Z":
-            pids.append(int(proc.name))
-    return pids
-
-
 def read_rows(directory: Path) -> tuple[int, dict[str, dict]]:
     rows = pq.read_table([str(p) for p in part_files(directory)]).to_pylist()
     return len(rows), {row["id"]: row for row in rows}
@@ -182,35 +159,10 @@ def test_losing_a_node_mid_job_loses_and_duplicates_no_row(prompts: Path, model_
         "scaling.batch_size=20",
         "scaling.concurrent_batches_per_actor=1",
     ]
-    # A Ray temp dir of its own: the head records its address in the temp dir, where a later bare
-    # `ray.init()` or `ray start` on this machine would find it. Short, for Ray's socket paths.
-    ray_tmpdir = tempfile.mkdtemp(prefix="ray-multinode-")
-    env = dict(os.environ, **{MARKER_VAR: "1", "RAY_TMPDIR": ray_tmpdir})
-    env.pop("RAY_ADDRESS", None)
-    process = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, json.dumps(overrides), str(tmp_path)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        log, _ = process.communicate(timeout=240)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        deadline = time.monotonic() + 15
-        while marked_processes() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        survivors = marked_processes()
-        for pid in survivors:  # only processes this test started: they carry its marker
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(ray_tmpdir, ignore_errors=True)
-    assert process.returncode == 0, log[-6000:]
-    assert not survivors, f"Ray processes survived the test: {survivors}"
-    result = json.loads(next(line for line in log.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
+    run = run_driver(DRIVER, [json.dumps(overrides), str(tmp_path)], MARKER_VAR, timeout_s=240)
+    assert run.returncode == 0, run.log[-6000:]
+    assert not run.survivors, f"Ray processes survived the test: {run.survivors}"
+    result = run.result()
     print(json.dumps({k: v for k, v in result.items() if k != "summary"}))
 
     assert result["engine_nodes"] == 2, "the two engine actors should run on the two worker nodes"

@@ -1,9 +1,15 @@
-"""Does the cluster have room for the training workers? Asked before the TorchTrainer starts.
+"""Does the cluster have room for the training workers? Asked before the TorchTrainer starts, and
+bounded while it runs.
 
 Ray Train waits for its workers' placement group and, on a cluster that can never hold them, retries
 every minute with a traceback until it is killed. Here a run that cannot fit is refused with one line;
 one that could fit once other work frees resources, or once an autoscaler adds nodes, waits for at most
 `scaling.resource_timeout_s` and says so.
+
+The same holds after a restart: when a node with a worker is lost, Ray Train restarts the worker group
+from the last checkpoint and waits for room for it again, by default a minute at a time, forever. Its wait
+is set to `scaling.resource_timeout_s` (`placement_timeout`), and a run whose workers cannot be placed in
+that time fails with one line (`lost_room_error`).
 """
 
 from __future__ import annotations
@@ -11,9 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import ray
 
@@ -22,6 +30,12 @@ from gpt2_platform.train.config import ScalingConfig
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 2.0
+
+# Ray Train's controller reads its wait for the workers' placement group, at every start and restart, from
+# this variable, which the trainer passes from the driver's environment to the controller.
+PLACEMENT_TIMEOUT_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+# A placement group takes a moment even where there is room: scaling.resource_timeout_s=0 still waits this.
+MIN_PLACEMENT_WAIT_S = 1.0
 
 
 class ClusterResourcesError(ValueError):
@@ -183,3 +197,52 @@ def cluster_room(scaling: ScalingConfig) -> Iterator[None]:
         yield
     finally:
         request_resources(bundles=[])
+
+
+@contextmanager
+def placement_timeout(scaling: ScalingConfig) -> Iterator[None]:
+    """While inside, a TorchTrainer started here waits at most `scaling.resource_timeout_s` for room for its
+    workers, at its first start and after each restart (it reads the driver's environment when it starts).
+
+    Pair it with `FailureConfig(controller_failure_limit=0)`: Ray Train counts a wait that ran out as a
+    controller failure and, by default, starts waiting again without end.
+    """
+    wait_s = max(scaling.resource_timeout_s, MIN_PLACEMENT_WAIT_S)
+    before = os.environ.get(PLACEMENT_TIMEOUT_VAR)
+    if before is not None and float(before) != wait_s:
+        logger.warning("%s=%s is ignored: training waits scaling.resource_timeout_s=%g s for room for its workers",
+                       PLACEMENT_TIMEOUT_VAR, before, scaling.resource_timeout_s)  # fmt: skip
+    os.environ[PLACEMENT_TIMEOUT_VAR] = f"{wait_s:g}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PLACEMENT_TIMEOUT_VAR, None)
+        else:
+            os.environ[PLACEMENT_TIMEOUT_VAR] = before
+
+
+def is_placement_timeout(error: BaseException) -> bool:
+    """Whether a TorchTrainer failed because its workers could not be placed in time. By the class's name:
+    it is internal to Ray Train, wrapped in the public ControllerError."""
+    failure = getattr(error, "controller_failure", None)
+    return type(failure).__name__ == "WorkerGroupStartupTimeoutError"
+
+
+def lost_room_error(scaling: ScalingConfig, last_checkpoint: Path | None) -> ClusterResourcesError:
+    """The one line for a run whose workers found no room within scaling.resource_timeout_s (a lost node
+    that did not come back, or other work holding what a restart needs)."""
+    bundle = worker_bundle(scaling)
+    nodes = _node_resources()
+    where = (
+        f"It stopped at its last checkpoint, {last_checkpoint}: resubmit the same run.name to resume from it"
+        if last_checkpoint is not None
+        else "It stopped before its first checkpoint: resubmit it"
+    )
+    return ClusterResourcesError(
+        f"the training workers found no room within scaling.resource_timeout_s={scaling.resource_timeout_s:g} s: "
+        f"scaling.num_workers={scaling.num_workers} workers of {_describe(bundle)} need a place each, the "
+        f"cluster's {len(nodes)} live node(s) hold {workers_that_fit(bundle, nodes)} at most (free now: "
+        f"{_totals([ray.available_resources()], list(bundle))}); a node was lost and none came back, or other "
+        f"work holds the rest. {where} once the cluster has room, or raise scaling.resource_timeout_s"
+    )

@@ -25,8 +25,9 @@ from gpt2_platform.train.loading import model_config
 from gpt2_platform.train.loop import HISTORY, train_loop_per_worker
 from gpt2_platform.train.lora_run import check_same_lora, export_lora_run
 from gpt2_platform.train.optim import check_same_setting
-from gpt2_platform.train.resources import cluster_room
+from gpt2_platform.train.resources import cluster_room, is_placement_timeout, lost_room_error, placement_timeout
 from gpt2_platform.train.resume import RUN_CONFIG, Resume, choose_checkpoint
+from gpt2_platform.train.shared_paths import check_shared_paths
 from gpt2_platform.train.step import lr_at
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,7 @@ def fit(config: Config) -> TrainResult:
     check_writable(run_dir, config.run.storage_path)
     resume = check_resume(config, run_dir)
     init_ray()
+    check_shared_paths(config, run_dir)
     with cluster_room(config.scaling):
         return _train_and_export(config, run_dir, resume)
 
@@ -266,7 +268,9 @@ def _train_and_export(config: Config, run_dir: Path, resume: Resume | None) -> T
             name=config.run.name,
             storage_path=str(run_dir.parent),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=tc.keep_checkpoints),
-            failure_config=ray.train.FailureConfig(max_failures=tc.max_failures),
+            # A restart that finds no room for its workers within scaling.resource_timeout_s fails the run
+            # (placement_timeout), instead of waiting again: Ray counts that as a controller failure.
+            failure_config=ray.train.FailureConfig(max_failures=tc.max_failures, controller_failure_limit=0),
             # Ray Train logs every report at INFO; rank 0 logs the metrics itself.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
@@ -277,7 +281,14 @@ def _train_and_export(config: Config, run_dir: Path, resume: Resume | None) -> T
         (run_dir / "config.yaml").write_text(dump(config))
     except OSError as error:  # the check above passed, but the storage changed (or filled up) since
         raise StorageError(f"cannot write the run directory {run_dir}: {error.strerror}") from error
-    result = trainer.fit()
+    try:
+        with placement_timeout(scaling):
+            result = trainer.fit()
+    except ray.train.ControllerError as error:
+        if not is_placement_timeout(error):
+            raise
+        last = choose_checkpoint(run_dir)
+        raise lost_room_error(scaling, last.directory if last is not None else None) from error
     # Ray's latest checkpoint, unless it is broken and the run resumed from an older one and stopped there.
     final = choose_checkpoint(run_dir, Path(result.checkpoint.path) if result.checkpoint is not None else None)
     if final is None:
