@@ -3,7 +3,6 @@ losses of an uninterrupted run; the settings that cannot work are refused in one
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -124,38 +123,6 @@ def test_a_missing_torchao_is_refused_naming_the_setting(monkeypatch: pytest.Mon
     with pytest.raises(ConfigError, match=r"optim.name=adamw8bit needs torchao, which is not installed"):
         OptimConfig(name="adamw8bit")
     assert OptimConfig().name == "adamw"  # the default needs nothing more
-
-
-@pytest.mark.slow
-def test_an_fsdp_adamw8bit_run_resumes_on_fewer_workers_and_refuses_another_optimizer(ray_cluster, corpus, tmp_path):
-    from safetensors import safe_open
-
-    from conftest import tiny_config
-    from gpt2_platform.train.loop import HISTORY
-    from gpt2_platform.train.resume import OPTIMIZER_STATE
-    from gpt2_platform.train.trainer import fit
-
-    overrides = ["optim.name=adamw8bit", "scaling.strategy=fsdp", "train.checkpoint_every=3", "train.eval_every=0"]
-    first = fit(tiny_config(corpus, tmp_path, *overrides, "scaling.num_workers=2", "train.max_steps=6"))
-    state = torch.load(first.checkpoint_dir / OPTIMIZER_STATE, weights_only=True)["state"]
-    moments = state["transformer.h.0.mlp.c_fc.weight"]
-    assert int(moments["step"]) == 6 and type(moments["exp_avg"]) is torch.Tensor  # dequantized, whole
-    assert moments["exp_avg"].shape == (256, 64)
-
-    # On one worker: the whole states are quantized again into that worker's blocks.
-    again = fit(tiny_config(corpus, tmp_path, *overrides, "scaling.num_workers=1", "train.max_steps=8"))
-    records = [json.loads(line) for line in (again.run_dir / HISTORY).read_text().splitlines()]
-    assert [r["start_step"] for r in records if r.get("event") == "start"] == [0, 6]
-    state = torch.load(again.checkpoint_dir / OPTIMIZER_STATE, weights_only=True)["state"]
-    assert int(state["transformer.h.0.mlp.c_fc.weight"]["step"]) == 8, "no optimizer step repeated or skipped"
-    losses = [r["loss"] for r in records if "loss" in r]
-    assert losses[-1] < losses[0], losses
-    with safe_open(str(again.model_dir / "model.safetensors"), framework="pt") as weights:
-        assert {weights.get_tensor(key).dtype for key in weights.keys()} == {torch.float32}
-
-    with pytest.raises(ConfigError, match="optim.name=adamw cannot resume this run's checkpoint") as refused:
-        fit(tiny_config(corpus, tmp_path, "scaling.num_workers=1", "train.max_steps=10"))
-    assert "\n" not in str(refused.value)
 
 
 QUIET_PROBE = """
