@@ -73,6 +73,10 @@ def check_shared_paths(config: Config, run_dir: Path) -> None:
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     if len(nodes) < 2:
         return
+    # The driver's own node sees what the driver sees; a task there could cost a worker process (a head
+    # without CPUs has none started).
+    here = ray.get_runtime_context().get_node_id()
+    others = [node for node in nodes if node["NodeID"] != here]
     # Where run.storage_path does not exist yet, its deepest existing parent is what the nodes would create it in.
     marker = write_marker(_deepest_existing(run_dir.parent))
     reads = {
@@ -85,11 +89,11 @@ def check_shared_paths(config: Config, run_dir: Path) -> None:
             check.options(
                 num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
             ).remote([str(marker), *reads["data.paths"], *reads["model.init_from"]])
-            for node in nodes
+            for node in others
         ]
         try:
             missing = dict(
-                zip((_node_name(node) for node in nodes), ray.get(tasks, timeout=CHECK_TIMEOUT_S), strict=True)
+                zip((_node_name(node) for node in others), ray.get(tasks, timeout=CHECK_TIMEOUT_S), strict=True)
             )
         except ray.exceptions.GetTimeoutError:
             for task in tasks:
