@@ -23,8 +23,8 @@ from pathlib import Path
 class DriverRun:
     returncode: int
     log: str
-    survivors: list[int]
-    """Pids of marked processes that were still alive after the driver ended (and were killed then)."""
+    survivors: list[str]
+    """Marked processes (pid and command) still alive after the driver ended, and killed then."""
 
     def result(self) -> dict:
         """The JSON the driver printed on its `RESULT ` line."""
@@ -46,6 +46,13 @@ def marked_processes(marker_var: str) -> list[int]:
         if f"{marker_var}=1".encode() in environ.split(b"\0") and state != "Z":
             pids.append(int(proc.name))
     return pids
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+    except OSError:
+        return "(gone)"
 
 
 def run_driver(driver: str, args: list[str], marker_var: str, timeout_s: float) -> DriverRun:
@@ -72,11 +79,12 @@ def run_driver(driver: str, args: list[str], marker_var: str, timeout_s: float) 
         if process.poll() is None:  # interrupted
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        deadline = time.monotonic() + 15
+        # Ray's processes exit on their own once the cluster is shut down; on a loaded machine that takes a while.
+        deadline = time.monotonic() + 30
         while marked_processes(marker_var) and time.monotonic() < deadline:
             time.sleep(0.2)
-        survivors = marked_processes(marker_var)
-        for pid in survivors:  # only processes this test started: they carry its marker
+        survivors = [f"{pid} {_command(pid)}" for pid in marked_processes(marker_var)]
+        for pid in marked_processes(marker_var):  # only processes this test started: they carry its marker
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(ray_tmpdir, ignore_errors=True)
     return DriverRun(process.returncode, log, survivors)
