@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo serve test lint bench clean
+.PHONY: setup demo serve test test-multinode lint bench clean
 
 setup: $(STAMP)
 
@@ -26,7 +26,11 @@ serve: $(STAMP)
 	$(PY) jobs/serve.py deployments/gpt2.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests -m "not multinode"
+
+# Training across nodes with a node lost (issue 39): about two minutes on 2 cores, over make test's budget.
+test-multinode: $(STAMP)
+	$(PY) -m pytest -q tests -m multinode
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check platform jobs tools tests

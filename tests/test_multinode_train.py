@@ -24,7 +24,7 @@ from gpt2_platform.train.resume import OPTIMIZER_STATE
 from gpt2_platform.train.shared_paths import MARKER_PREFIX
 from helpers_multinode import run_driver
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
 MARKER_VAR = "GPT2_PLATFORM_TEST_MULTINODE_TRAIN"
 MAX_STEPS = 12
