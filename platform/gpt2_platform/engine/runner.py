@@ -42,7 +42,7 @@ GRAPHED_PREFILL_MAX = 64
 GRAPHED_PREFILL_TOKENS = 8192
 # Warm-up captures the prefill graphs up to this many tokens; larger ones (a batch job's) on first use, so
 # that a Serve replica's start-up does not pay for shapes it may never see (with all of them captured at
-# warm-up, the batch actor's warm-up grew: docs/benchmarks/2026-12-02-s13-batch-h200.md).
+# warm-up, the batch actor's warm-up grew: docs/benchmarks.md, batch generation).
 WARM_PREFILL_TOKENS = 4096
 # From this many prompts admitted together (up to GRAPHED_PREFILL_TOKENS of them), a prefill runs packed: the
 # prompts back to back without padding (cache.PackedPrefillView), replayed as a graph per (prompts and tokens
@@ -92,7 +92,7 @@ def argmax_in_blocks(logits: torch.Tensor, block: int = 1024) -> torch.Tensor:
     Ties go to the first index, as with argmax: the first block holding the row's max, then the first
     index in it. The engine uses it on CUDA at batch <= 16 only: on an H200 it made the batch-1 step
     faster and the batch-256 step slower (tools/probes/decode_step_variants.py;
-    docs/benchmarks/2026-12-01-s4-engine-best-of-3-h200.md). Batch sizes in between were not measured,
+    docs/benchmarks.md, engine). Batch sizes in between were not measured,
     nor is it used on CPUs.
     """
     batch, vocab = logits.shape
@@ -227,7 +227,7 @@ class ModelRunner:
         # residuals, cache writes) once for every bucket; the graphs are then captured around it.
         # Two compiled parts: the model, the same for every sampling mode, and the small pick of the
         # tokens, one variant per mode. Compiled whole, the model was compiled again for every mode,
-        # which tripled the warm-up (137.8 s on an H200, cold).
+        # which made the warm-up several times longer (docs/benchmarks.md, batch generation).
         # With decode_kernels="triton", our kernels (engine/kernels.py) run the model's part of every
         # decode step (fused GEMVs at batch 1, cuBLAS around our attention above it), and `compile`
         # compiles only the token pick: seconds of warm-up instead of the modules' 1-2 minutes.
@@ -658,7 +658,7 @@ class ModelRunner:
         `step` runs once first, outside the graph: that loads its kernels and sizes cuBLAS's workspace,
         which a capture cannot do. (It ran twice, as torch's examples do. The eager runs are most of a
         replica's warm-up, but it is each kernel's first use that costs, so dropping the second run saved
-        little: docs/benchmarks/2026-12-03-s20-replica-start-h200.md. The GPU tests compare the graphs with the
+        little: docs/benchmarks.md, a Serve replica's start. The GPU tests compare the graphs with the
         eager model.) `keep` are tensors it changes that must hold, after the capture, what they held
         before (a graph captured on first use, mid-sequence). All graphs share one memory pool: each
         output is read (copied to the host) right after its replay, before any other graph runs on the

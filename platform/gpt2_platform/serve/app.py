@@ -79,7 +79,7 @@ def _engine_failed(event: Event) -> APIError:
 # Prompts up to this size tokenize on the event loop: their tokenizing is small next to the rest of a
 # request's work there, and a hop to the tokenizer's thread and back would add to every request in the one
 # process that serves them all. Larger ones go to the thread, so a long prompt never stalls the loop. (No
-# run has timed the hop on its own: docs/benchmarks/2026-12-02-s9-variants-hardening-h200.md.)
+# run has timed the hop on its own; docs/benchmarks.md, serving, has the request path's figures.)
 _INLINE_TOKENIZE_BYTES = 4096
 
 
