@@ -207,12 +207,7 @@ def read_adapter(name_or_path: str | Path) -> Adapter:
             f"adapter {directory} holds no {ADAPTER_WEIGHTS_NAME}"
             + ("; its adapter_model.bin (pickle) is not loaded: save it with safetensors" if pickled else "")
         )
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as error:
-        raise ValueError(f"{config_path} is not valid JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_path} should hold a JSON object, not {type(config).__name__}")
+    config = checkpoint.read_json_object(config_path)
     return _adapter_from(str(directory), config, load_file(str(weights_path)), where=str(config_path))
 
 

@@ -151,16 +151,10 @@ def read_hf_config(directory: Path) -> SimpleNamespace:
 
     Read here rather than by AutoConfig or GPT2Config: importing transformers' auto classes imports its
     generation stack as well (torch._dynamo, sympy, and scikit-learn where installed). With
-    transformers 5.17 that was 6 s of every Ray actor's start-up on the GPU machine
-    (docs/benchmarks.md), for a file of a few numbers.
+    transformers 5 that is seconds of every Ray actor's start-up (docs/benchmarks.md, a Serve replica's
+    start), for a file of a few numbers.
     """
-    path = directory / CONFIG_NAME
-    try:
-        fields = json.loads(path.read_text())
-    except ValueError as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from error
-    if not isinstance(fields, dict):
-        raise ValueError(f"{path} should hold a JSON object, not {type(fields).__name__}")
+    fields = read_json_object(directory / CONFIG_NAME)
     for alias, name in _HF_ALIASES.items():
         if alias in fields:
             fields.setdefault(name, fields.pop(alias))
@@ -189,6 +183,17 @@ def config_from_hf(hf: object) -> GPT2Config:
         scale_attn_by_inverse_layer_idx=hf.scale_attn_by_inverse_layer_idx,
         reorder_and_upcast_attn=hf.reorder_and_upcast_attn,
     )
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding one object (config.json, adapter_config.json); a clear error otherwise."""
+    try:
+        fields = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path} should hold a JSON object, not {type(fields).__name__}")
+    return fields
 
 
 def read_config(directory: Path) -> GPT2Config:
