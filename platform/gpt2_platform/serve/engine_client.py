@@ -65,6 +65,9 @@ class _Remote:
     link: Link | None = None
     # With logprobs: one per token in output.generated, and the prompt's (echo), until events carry them.
     logprobs: LogprobStream | None = None
+    # What went over the link (prompt ids, the engine's params): sent again to another engine if its engine
+    # is lost before the first token, when nothing of it has reached the client.
+    sent: tuple[list[int], GenerationParams] | None = None
 
     def event(self, key: int, tokens: list[int], text: str) -> Event:
         """An event with `tokens`, the next the consumer has not had, and their log-probabilities."""
@@ -96,6 +99,7 @@ class RemoteEngine:
         self._down: str | None = None  # why the engine is thought unavailable; None: serving
         self._pinging = False
         self._links: list[Link] = []  # engines that have connected, and are still connected
+        self._turn = 0  # where the next pick among equally loaded links starts
         self._connecting: asyncio.Task | None = None
         self.inlet = Inlet(ray.util.get_node_ip_address(), self._from_link, self._link_lost, self._link_up)
         try:  # Serve builds a replica on its event loop: bring links up now, not at the first request
@@ -156,15 +160,24 @@ class RemoteEngine:
         engine_params = dataclasses.replace(params, stop=(), sampling=sampling)
         self._sequences[key] = sequence
         admission = dataclasses.replace(self.admission(), size=request_size) if request_size else None
-        link = min(self._links, key=lambda link: len(link.keys), default=None)
+        link = self._least_loaded_link()
         if link is not None and link.submit(key, list(prompt_ids), engine_params, admission):
-            sequence.link = link
+            sequence.link, sequence.sent = link, (list(prompt_ids), engine_params)
             link.keys.add(key)
             return key
         outlet = (self.inlet.address, self.inlet.authkey, key)  # no link yet: through Serve
         sequence.response = self.handle.generate.remote(outlet, list(prompt_ids), engine_params, admission)
         self._loop.create_task(self._watch(key, sequence))
         return key
+
+    def _least_loaded_link(self) -> Link | None:
+        """The link with fewest of this replica's sequences; ties taken in turn, so that light load (one
+        request at a time) spreads over every engine instead of always going to the first linked."""
+        if not self._links:
+            return None
+        self._turn = (self._turn + 1) % len(self._links)
+        rotated = self._links[self._turn :] + self._links[: self._turn]
+        return min(rotated, key=lambda link: len(link.keys))
 
     def cancel(self, request_id: int) -> None:
         """Stop a sequence: its "abort" event comes at once; the engine frees its slot within a step."""
@@ -314,10 +327,26 @@ class RemoteEngine:
             self._links.remove(link)
         failed = [(key, self._sequences.get(key)) for key in list(link.keys)]
         failed = [(key, sequence) for key, sequence in failed if sequence is not None]
+        failed = [(key, sequence) for key, sequence in failed if not self._send_again(key, sequence)]
         if failed and not self._links:  # with another engine still linked, new requests go there
             self._engine_failed("its process exited")
         for key, sequence in failed:
             self._end(key, sequence, "error", "the engine's process exited")
+
+    def _send_again(self, key: int, sequence: _Remote) -> bool:
+        """Move a sequence whose engine was lost before its first token to another linked engine, never
+        refused (it was admitted once): a request that met a dying engine, or a node lost, in that window
+        still succeeds. One with tokens already out is not: they may have reached the client."""
+        link = self._least_loaded_link()
+        if link is None or sequence.sent is None or sequence.output.generated:
+            return False
+        prompt_ids, params = sequence.sent
+        if not link.submit(key, prompt_ids, params, None):
+            return False
+        sequence.link = link
+        link.keys.add(key)
+        logger.info("sequence %d sent again to another engine: its engine was lost before its first token", key)
+        return True
         link.keys.clear()
 
     def _engine_failed(self, why: str) -> None:

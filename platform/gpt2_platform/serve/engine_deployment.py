@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Any
 
+import ray
 from ray import serve
 
 from gpt2_platform.engine.admission import Admission, decide
@@ -143,6 +144,7 @@ class GPT2Engine:
             **self.engine.stats(),  # the engine's max_batch_size: the number it chose, where auto
             "replica": replica,
             "replica_pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),  # where it runs, on a cluster
             "engine_pid": self.engine.pid,
         }
 
