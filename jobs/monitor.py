@@ -1,8 +1,10 @@
 """GPU monitoring for the cluster: per-GPU metrics in the Ray dashboard, and a status table.
 
-    python jobs/monitor.py start [--interval-s 5]   # one exporter actor per node (idempotent)
+    python jobs/monitor.py start [--interval-s 5] [--node-check-period-s 10]
+                                                    # one exporter actor per node, and a keeper that gives
+                                                    # each node joining later one (idempotent)
     python jobs/monitor.py status [--json]          # a fresh per-node, per-GPU table
-    python jobs/monitor.py stop                     # stop every exporter
+    python jobs/monitor.py stop                     # stop the keeper, then every exporter
 
 Connects to RAY_ADDRESS when set, else starts an embedded local Ray. RAY_ADDRESS
 may be the GCS's host:port or the dashboard's http://host:8265 that `ray job submit`
@@ -35,11 +37,17 @@ logger = logging.getLogger("monitor")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    start = commands.add_parser("start", help="start a GPU exporter actor on every alive node")
+    start = commands.add_parser("start", help="start a GPU exporter actor on every node, now and joining later")
     start.add_argument("--interval-s", type=float, default=5.0, help="seconds between samples (default 5)")
+    start.add_argument(
+        "--node-check-period-s",
+        type=float,
+        default=10.0,
+        help="seconds between the keeper's checks for nodes without an exporter (default 10)",
+    )
     status = commands.add_parser("status", help="print a fresh per-node, per-GPU table")
     status.add_argument("--json", action="store_true", help="print the samples as JSON instead")
-    commands.add_parser("stop", help="stop the exporters on every node")
+    commands.add_parser("stop", help="stop the keeper, then the exporters on every node")
     arguments = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(arguments)
     succeeded = True
@@ -64,18 +72,24 @@ def main(argv: list[str] | None = None) -> int:
             if not os.environ.get("RAY_ADDRESS"):
                 logger.warning("RAY_ADDRESS is not set: the exporters live only as long as this embedded Ray")
             handles = exporter.start_exporters(interval_s=args.interval_s)
+            exporter.start_keeper(interval_s=args.interval_s, period_s=args.node_check_period_s)
             print(
-                f"GPU exporters running on {len(handles)} node(s) (namespace {exporter.NAMESPACE}), every {args.interval_s:g} s"
+                f"GPU exporters running on {len(handles)} node(s) (namespace {exporter.NAMESPACE}), every {args.interval_s:g} s; "
+                f"a node that joins gets one at the keeper's next check, within {args.node_check_period_s:g} s"
             )
             return
         if args.command == "stop":
-            print(f"stopped {exporter.stop_exporters()} GPU exporter(s)")
+            # The keeper first, or it would start exporters again on the nodes just cleared.
+            keeper = "stopped the exporter keeper" if exporter.stop_keeper() else "no exporter keeper was running"
+            print(f"{keeper}; stopped {exporter.stop_exporters()} GPU exporter(s)")
             return
         samples = exporter.collect_samples()
         if args.json:
             print(json.dumps([dataclasses.asdict(sample) for sample in samples], indent=2))
         else:
             print(format_status(samples))
+            with_exporter = sum(sample.from_exporter for sample in samples)
+            print(f"{with_exporter} of {len(samples)} node(s) have a GPU exporter")
 
     code = run_main(run)
     return code if code or succeeded else 1

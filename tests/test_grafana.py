@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from gpt2_platform.monitoring.exporter import GPU_TAG_KEYS
 from gpt2_platform.monitoring.exporter import METRIC_NAMES as GPU_METRICS
 from gpt2_platform.train.metrics import GAUGES as TRAIN_GAUGES
 
@@ -49,7 +50,7 @@ def test_multi_valued_variables_are_matched_as_regexes_in_every_panel():
         for v in dashboard["templating"]["list"]
         if v["type"] == "query" and (v.get("multi") or v.get("includeAll"))
     }
-    assert multi_valued >= {"node", "run"}
+    assert multi_valued >= {"node_id", "run"}
     matcher = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
     checked = 0
     for title, query in panel_queries(dashboard):
@@ -59,7 +60,20 @@ def test_multi_valued_variables_are_matched_as_regexes_in_every_panel():
                 checked += 1
         # The GPU panels follow the node selection, the training panels the run selection.
         if "ray_gpt2_gpu_" in query:
-            assert 'node=~"$node"' in query, f"panel {title!r} ignores the node variable: {query}"
+            assert 'node_id=~"$node_id"' in query, f"panel {title!r} ignores the node variable: {query}"
         if "ray_gpt2_train_" in query:
             assert 'run=~"$run"' in query, f"panel {title!r} ignores the run variable: {query}"
     assert checked >= 14, checked
+
+
+def test_the_node_filter_lists_each_ray_node_and_legends_show_its_address():
+    """Several Ray nodes on one host share its address (the `node` tag): the filter goes by Ray node id, which
+    tests/test_multinode_monitor.py checks takes one value per node of a real cluster."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "node_id"]
+    assert variable["query"] == "label_values(ray_gpt2_gpu_utilization_percent, node_id)"
+    assert {"node", "node_id"} <= set(GPU_TAG_KEYS)
+    gpu_targets = [t for p in dashboard["panels"] for t in p.get("targets", []) if "ray_gpt2_gpu_" in t["expr"]]
+    assert gpu_targets
+    for target in gpu_targets:
+        assert target["legendFormat"].startswith("{{node}} {{node_id}} "), target

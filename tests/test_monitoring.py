@@ -1,4 +1,8 @@
-"""GPU monitoring: NVML sampling against a fake NVML, metric names, the status table, and exporters on real Ray."""
+"""GPU monitoring: NVML sampling against a fake NVML, metric names, the status table, and exporters on real Ray.
+
+`FakeNVML` is also what the nodes of tests/test_multinode_monitor.py load (GPT2_PLATFORM_NVML names it), in
+Ray workers: so this module imports nothing heavy at its top (conftest imports torch).
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO_ROOT
 from gpt2_platform.monitoring import exporter
-from gpt2_platform.monitoring.nvml import GpuProcess, GpuSample, NodeSample, NvmlSampler, format_status
+from gpt2_platform.monitoring.nvml import (
+    NVML_STAND_IN_VAR,
+    GpuProcess,
+    GpuSample,
+    NodeSample,
+    NvmlSampler,
+    format_status,
+)
 
 PROMETHEUS_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 GIB = 2**30
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NODE_ID = "0a1b2c3d4e5f" * 4
 
 
 class FakeNVMLError(Exception):
@@ -93,12 +105,12 @@ class FakeNVML:
 
 
 def fake_sample(failing: tuple[str, ...] = ()) -> NodeSample:
-    return NvmlSampler(nvml=FakeNVML(failing), node="node-a").sample_all()
+    return NvmlSampler(nvml=FakeNVML(failing), node="node-a", node_id=NODE_ID).sample_all()
 
 
 def test_fake_gpus_are_sampled_with_units_converted() -> None:
     sample = fake_sample()
-    assert sample.available and sample.reason == "" and sample.node == "node-a"
+    assert sample.available and sample.reason == "" and sample.node == "node-a" and sample.node_id == NODE_ID
     assert [gpu.index for gpu in sample.gpus] == [0, 1]
     gpu0, gpu1 = sample.gpus
     assert gpu0 == GpuSample(
@@ -144,6 +156,22 @@ def test_init_failure_means_not_available_with_a_reason() -> None:
     sample = fake_sample(failing=("nvmlInit",))
     assert not sample.available and sample.gpus == []
     assert "NVML could not start" in sample.reason and "nvmlInit" in sample.reason
+    assert sample.node_id == NODE_ID
+
+
+def test_a_stand_in_nvml_named_in_the_environment_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NVML_STAND_IN_VAR, f"{__name__}:FakeNVML")
+    sampler = NvmlSampler(node="node-a")
+    assert isinstance(sampler.nvml, FakeNVML)
+    sample = sampler.sample_all()
+    assert sample.available and len(sample.gpus) == 2 and sample.gpus[0].name == "NVIDIA H200"
+
+
+def test_a_stand_in_nvml_that_cannot_be_loaded_means_no_data_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NVML_STAND_IN_VAR, f"{__name__}:NoSuchNVML")
+    sample = NvmlSampler(node="node-a").sample_all()
+    assert not sample.available and sample.gpus == []
+    assert sample.reason.startswith(f"{NVML_STAND_IN_VAR}={__name__}:NoSuchNVML could not be loaded: ")
 
 
 def test_the_real_pynvml_here_degrades_without_raising() -> None:
@@ -172,7 +200,7 @@ def test_metric_points_carry_values_and_tags() -> None:
     points = exporter.metric_points(sample)
     by_key = {(name, tags["gpu"], tags.get("pid")): (value, tags) for name, value, tags in points}
     value, tags = by_key[("gpt2_gpu_power_watts", "0", None)]
-    assert value == 650.5 and tags == {"node": "node-a", "gpu": "0", "uuid": "GPU-0000-0"}
+    assert value == 650.5 and tags == {"node": "node-a", "node_id": NODE_ID, "gpu": "0", "uuid": "GPU-0000-0"}
     assert by_key[("gpt2_gpu_memory_total_bytes", "1", None)][0] == 141 * GIB
     value, tags = by_key[("gpt2_gpu_process_memory_bytes", "0", "1234")]
     assert value == 8 * GIB and tags["ray_actor"] == "TrainWorker:1234" and tags["uuid"] == "GPU-0000-0"
@@ -194,11 +222,17 @@ def test_status_table_renders_gpus_and_gpu_less_nodes() -> None:
     lines = table.splitlines()
     assert lines[0].startswith("node") and "SM MHz" in lines[0]
     assert "NVIDIA H200" in lines[1] and "650" in lines[1] and "10.0/141.0" in lines[1] and "1234:8.0" in lines[1]
+    assert lines[1].startswith(f"node-a {NODE_ID[:8]} ")  # nodes on one host differ by their node id
     assert "n/a" in lines[1]  # the failed temperature
     assert lines[-1] == "no NVIDIA GPU on node node-b (no driver)"
     assert format_status([NodeSample("vm", False, "NVML Shared Library Not Found")]) == (
         "no NVIDIA GPU on node vm (NVML Shared Library Not Found)"
     )
+
+
+def test_the_keeper_refuses_a_period_that_is_not_positive() -> None:
+    with pytest.raises(ValueError, match="--node-check-period-s must be > 0, got 0"):
+        exporter.start_keeper(period_s=0)
 
 
 def _load_main() -> Callable[[list[str]], int]:
@@ -218,23 +252,26 @@ def test_exporters_on_real_ray(ray_cluster: None, capsys: pytest.CaptureFixture[
     assert monitor_main(["status"]) == 0
     assert "no NVIDIA GPU on node" in capsys.readouterr().out
 
+    assert len(exporter.nodes_without_exporter()) == 1
     first = exporter.start_exporters(interval_s=0.5)
     try:
+        assert exporter.nodes_without_exporter() == []
         second = exporter.start_exporters(interval_s=0.5)
         assert len(first) == len(second) == 1
         assert first[0]._actor_id == second[0]._actor_id
         sample = ray.get(first[0].sample.remote(), timeout=60)
         assert not sample.available and sample.reason  # no NVIDIA GPU here
+        assert sample.node_id == ray.get_runtime_context().get_node_id()
 
         assert monitor_main(["status"]) == 0
         out = capsys.readouterr().out
-        assert "no NVIDIA GPU on node" in out, out
+        assert "no NVIDIA GPU on node" in out and "1 of 1 node(s) have a GPU exporter" in out, out
         assert monitor_main(["status", "--json"]) == 0
         assert '"available": false' in capsys.readouterr().out
 
         assert exporter.exporter_names() == [exporter.actor_name(ray.get_runtime_context().get_node_id())]
         assert monitor_main(["stop"]) == 0
-        assert "stopped 1 GPU exporter(s)" in capsys.readouterr().out
+        assert "no exporter keeper was running; stopped 1 GPU exporter(s)" in capsys.readouterr().out
         assert exporter.exporter_names() == []
         assert monitor_main(["stop"]) == 0
         assert "stopped 0 GPU exporter(s)" in capsys.readouterr().out

@@ -1,8 +1,10 @@
-"""Export GPU samples as Ray metrics: one `GpuExporter` actor per node, pinned there.
+"""Export GPU samples as Ray metrics: one `GpuExporter` actor per node, pinned there, and an `ExporterKeeper`
+that gives one to each node that joins later.
 
 The gauges land in Ray's Prometheus endpoint and so in the Ray dashboard's
-Grafana panels. A node without NVIDIA GPUs runs the actor too; it reports
-`available=False` and exports nothing.
+Grafana panels, tagged with the node's address (`node`) and its Ray node id
+(`node_id`, which tells apart Ray nodes on one host). A node without NVIDIA
+GPUs runs the actor too; it reports `available=False` and exports nothing.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "gpt2-monitoring"
 ACTOR_NAME_PREFIX = "gpt2-gpu-exporter-"
+KEEPER_NAME = "gpt2-exporter-keeper"
 # Prometheus (and so Ray) silently drops a metric whose name is outside this.
 _METRIC_NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
-GPU_TAG_KEYS = ("node", "gpu", "uuid")
+GPU_TAG_KEYS = ("node", "node_id", "gpu", "uuid")
 PROCESS_TAG_KEYS = (*GPU_TAG_KEYS, "pid", "ray_actor")
 
 
@@ -63,7 +66,7 @@ def metric_points(sample: NodeSample) -> list[tuple[str, float, dict[str, str]]]
     if not sample.available:
         return points
     for gpu in sample.gpus:
-        tags = {"node": sample.node, "gpu": str(gpu.index), "uuid": gpu.uuid or ""}
+        tags = {"node": sample.node, "node_id": sample.node_id, "gpu": str(gpu.index), "uuid": gpu.uuid or ""}
         for name, (_, field_name) in GPU_METRICS.items():
             value = getattr(gpu, field_name)
             if value is not None:
@@ -163,7 +166,9 @@ class GpuExporter:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.interval_s = interval_s
-        self.sampler = NvmlSampler(node=node or ray.util.get_node_ip_address())
+        self.sampler = NvmlSampler(
+            node=node or ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id()
+        )
         self.actor_of_pid = RayActorLookup()
         self.gauges = {
             name: Gauge(name, description, tag_keys=GPU_TAG_KEYS) for name, (description, _) in GPU_METRICS.items()
@@ -206,7 +211,7 @@ class GpuExporter:
 
 @ray.remote(num_cpus=0)
 def _sample_once() -> NodeSample:
-    sampler = NvmlSampler(node=ray.util.get_node_ip_address())
+    sampler = NvmlSampler(node=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id())
     try:
         return sampler.sample_all()
     finally:
@@ -221,15 +226,18 @@ def alive_nodes() -> list[dict]:
     return [node for node in ray.nodes() if node.get("Alive")]
 
 
-def start_exporters(interval_s: float = 5.0, detached: bool = True) -> list[ray.actor.ActorHandle]:
-    """One exporter per alive node, pinned there; idempotent (an existing one is reused).
+def start_exporters(
+    interval_s: float = 5.0, detached: bool = True, nodes: list[dict] | None = None
+) -> list[ray.actor.ActorHandle]:
+    """One exporter per node of `nodes` (default: every alive node), pinned there; idempotent (an existing one
+    is reused).
 
     Detached by default so the exporters outlive the `jobs/monitor.py start` driver.
     """
     if interval_s <= 0:
         raise ValueError(f"--interval-s must be > 0, got {interval_s}")
     handles = []
-    for node in alive_nodes():
+    for node in alive_nodes() if nodes is None else nodes:
         node_id = node["NodeID"]
         options: dict[str, Any] = {
             "name": actor_name(node_id),
@@ -267,6 +275,73 @@ def exporter_names() -> list[str]:
     )
 
 
+def nodes_without_exporter() -> list[dict]:
+    """The alive nodes that have no exporter (nodes that joined after `start`, or all before it)."""
+    running = set(exporter_names())
+    return [node for node in alive_nodes() if actor_name(node["NodeID"]) not in running]
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class ExporterKeeper:
+    """Every `period_s`, starts an exporter (sampling every `interval_s`) on each alive node that has none."""
+
+    def __init__(self, interval_s: float = 5.0, period_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="exporter-keeper", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                started = start_exporters(self.interval_s, nodes=nodes_without_exporter())
+                if started:
+                    logger.info("started a GPU exporter on %d node(s) that had none", len(started))
+            except Exception:  # a monitor never takes its host down
+                logger.warning("checking the nodes for exporters failed; retrying in %.0f s", self.period_s,
+                               exc_info=True)  # fmt: skip
+
+    def settings(self) -> tuple[float, float]:
+        """(interval_s, period_s) it runs with."""
+        return self.interval_s, self.period_s
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def start_keeper(interval_s: float = 5.0, period_s: float = 10.0) -> ray.actor.ActorHandle:
+    """The detached keeper that gives each node joining later an exporter; idempotent (a running one is kept,
+    with a warning if it runs with other settings). Returns once it runs."""
+    if interval_s <= 0:
+        raise ValueError(f"--interval-s must be > 0, got {interval_s}")
+    if period_s <= 0:
+        raise ValueError(f"--node-check-period-s must be > 0, got {period_s}")
+    keeper = ExporterKeeper.options(
+        name=KEEPER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
+    ).remote(interval_s, period_s)
+    running = tuple(ray.get(keeper.settings.remote(), timeout=120))
+    if running != (interval_s, period_s):
+        logger.warning("an exporter keeper already runs (exporters sampling every %g s, nodes checked every %g s); "
+                       "`stop`, then `start`, to change that", *running)  # fmt: skip
+    return keeper
+
+
+def stop_keeper(timeout_s: float = 30.0) -> bool:
+    """Stop the keeper, so that it starts no more exporters; returns whether one was running."""
+    try:
+        keeper = ray.get_actor(KEEPER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    try:
+        ray.get(keeper.stop.remote(), timeout=timeout_s)
+    except Exception as error:  # a dead or stuck keeper is killed all the same
+        logger.warning("the exporter keeper did not stop cleanly (%r); killing it", error)
+    ray.kill(keeper)
+    return True
+
+
 def stop_exporters(timeout_s: float = 10.0) -> int:
     """Stop every exporter (its sampling thread, then the actor); returns how many were running."""
     names = exporter_names()
@@ -289,15 +364,17 @@ def collect_samples(timeout_s: float = 30.0) -> list[NodeSample]:
     for node in alive_nodes():
         node_id = node["NodeID"]
         try:
-            pending.append((node, ray.get_actor(actor_name(node_id), namespace=NAMESPACE).sample.remote()))
+            pending.append((node, ray.get_actor(actor_name(node_id), namespace=NAMESPACE).sample.remote(), True))
         except ValueError:  # no exporter on this node
             strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
-            pending.append((node, _sample_once.options(scheduling_strategy=strategy).remote()))
+            pending.append((node, _sample_once.options(scheduling_strategy=strategy).remote(), False))
     samples = []
-    for node, ref in pending:
-        label = node.get("NodeManagerAddress") or node["NodeID"]
+    for node, ref, from_exporter in pending:
         try:
-            samples.append(ray.get(ref, timeout=timeout_s))
+            sample = ray.get(ref, timeout=timeout_s)
         except Exception as error:
-            samples.append(NodeSample(label, available=False, reason=f"could not sample: {error!r}"))
+            label = node.get("NodeManagerAddress") or node["NodeID"]
+            sample = NodeSample(label, available=False, reason=f"could not sample: {error!r}", node_id=node["NodeID"])
+        sample.from_exporter = from_exporter
+        samples.append(sample)
     return samples

@@ -3,11 +3,16 @@
 A monitor must not take its host down: every NVML call is guarded, a failing
 call leaves its field None ("no data"), and a host without a driver or library
 gives `available=False` with a plain reason.
+
+On a machine without GPUs, tests give a node's processes a stand-in for pynvml
+through `GPT2_PLATFORM_NVML` in its environment (`NVML_STAND_IN_VAR`).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -16,6 +21,10 @@ from types import ModuleType
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+NVML_STAND_IN_VAR = "GPT2_PLATFORM_NVML"
+"""Environment variable naming a stand-in for pynvml as `module:attribute` (an object with pynvml's functions,
+or a class or function that makes one) or `module`; for tests without a GPU. Unset, the sampler uses pynvml."""
 
 
 @dataclass
@@ -50,26 +59,45 @@ class NodeSample:
     """Every GPU of one node; `available=False` (with `reason`) when NVML cannot be used there."""
 
     node: str
+    """The node's address (several Ray nodes on one host share it)."""
     available: bool
     reason: str = ""
     gpus: list[GpuSample] = field(default_factory=list)
+    node_id: str = ""
+    """The Ray node's id (hex), unique per Ray node; "" outside Ray."""
+    from_exporter: bool = False
+    """Whether the node's exporter took this sample (else a one-shot task did)."""
 
 
-def _default_nvml() -> ModuleType | None:
+def _load_nvml() -> tuple[ModuleType | Any | None, str]:
+    """pynvml, or the stand-in that NVML_STAND_IN_VAR names, and ""; or None and why neither can be used."""
+    stand_in = os.environ.get(NVML_STAND_IN_VAR)
+    if stand_in:
+        module_name, _, attribute = stand_in.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+            value = getattr(module, attribute) if attribute else module
+            nvml = value() if callable(value) else value
+        except Exception as error:  # a monitor never takes its host down: "no data", with the reason
+            return None, f"{NVML_STAND_IN_VAR}={stand_in} could not be loaded: {error!r}"
+        logger.warning("GPU samples come from a stand-in for NVML (%s=%s), not from GPUs", NVML_STAND_IN_VAR, stand_in)
+        return nvml, ""
     try:
         import pynvml
     except Exception as error:  # an ImportError, or a broken install
         logger.debug("pynvml import failed: %s", error)
-        return None
-    return pynvml
+        return None, "nvidia-ml-py (pynvml) is not installed"
+    return pynvml, ""
 
 
 class NvmlSampler:
-    """Reads all GPUs of this host; `nvml` is the pynvml module (tests pass a fake)."""
+    """Reads all GPUs of this host; `nvml` is the pynvml module (tests pass a fake, or name one in
+    NVML_STAND_IN_VAR)."""
 
-    def __init__(self, nvml: Any = None, node: str | None = None) -> None:
-        self.nvml = nvml if nvml is not None else _default_nvml()
+    def __init__(self, nvml: Any = None, node: str | None = None, node_id: str = "") -> None:
+        self.nvml, self._unusable_reason = (nvml, "") if nvml is not None else _load_nvml()
         self.node = node or socket.gethostname()
+        self.node_id = node_id
         self._initialized = False
         self._logged: set[str] = set()
         self._lock = threading.Lock()
@@ -93,7 +121,7 @@ class NvmlSampler:
         if self._initialized:
             return ""
         if self.nvml is None:
-            return "nvidia-ml-py (pynvml) is not installed"
+            return self._unusable_reason
         try:
             self.nvml.nvmlInit()
         except self._error_types() as error:
@@ -113,16 +141,20 @@ class NvmlSampler:
             try:
                 reason = self._init()
                 if reason:
-                    return NodeSample(self.node, available=False, reason=reason)
+                    return self._unavailable(reason)
                 count = self._call("nvmlDeviceGetCount", self.nvml.nvmlDeviceGetCount)
                 if count is None:
-                    return NodeSample(self.node, available=False, reason="NVML could not count the GPUs")
+                    return self._unavailable("NVML could not count the GPUs")
                 if count == 0:
-                    return NodeSample(self.node, available=False, reason="NVML reports 0 GPUs")
-                return NodeSample(self.node, available=True, gpus=[self._sample_gpu(i) for i in range(count)])
+                    return self._unavailable("NVML reports 0 GPUs")
+                gpus = [self._sample_gpu(i) for i in range(count)]
+                return NodeSample(self.node, available=True, gpus=gpus, node_id=self.node_id)
             except Exception as error:  # a bug here must still not take the host down
                 logger.debug("GPU sampling failed on %s", self.node, exc_info=True)
-                return NodeSample(self.node, available=False, reason=f"sampling failed: {error!r}")
+                return self._unavailable(f"sampling failed: {error!r}")
+
+    def _unavailable(self, reason: str) -> NodeSample:
+        return NodeSample(self.node, available=False, reason=reason, node_id=self.node_id)
 
     def _sample_gpu(self, index: int) -> GpuSample:
         nvml = self.nvml
@@ -180,23 +212,28 @@ def _integer(value: Any) -> int | None:
 def format_status(samples: list[NodeSample]) -> str:
     """A plain per-node, per-GPU table; a node without GPUs gets one line saying why."""
     lines: list[str] = []
-    header = f"{'node':<20} {'gpu':>3} {'name':<24} {'util%':>5} {'mem%':>5} {'mem used/total GiB':>19} {'W':>6} {'C':>4} {'SM MHz':>6}  processes (pid:GiB(actor))"
+    header = f"{'node':<24} {'gpu':>3} {'name':<24} {'util%':>5} {'mem%':>5} {'mem used/total GiB':>19} {'W':>6} {'C':>4} {'SM MHz':>6}  processes (pid:GiB(actor))"
     rows: list[str] = []
     for node in samples:
         if not node.available:
-            lines.append(f"no NVIDIA GPU on node {node.node} ({node.reason})")
+            lines.append(f"no NVIDIA GPU on node {_node_label(node)} ({node.reason})")
             continue
         for gpu in node.gpus:
             memory = f"{_gib(gpu.memory_used_bytes)}/{_gib(gpu.memory_total_bytes)}"
             processes = " ".join(_process(p) for p in gpu.processes or []) or "-"
             rows.append(
-                f"{node.node:<20} {gpu.index:>3} {_show(gpu.name):<24} {_show(gpu.utilization_gpu_percent, 0):>5} "
+                f"{_node_label(node):<24} {gpu.index:>3} {_show(gpu.name):<24} {_show(gpu.utilization_gpu_percent, 0):>5} "
                 f"{_show(gpu.utilization_memory_percent, 0):>5} {memory:>19} {_show(gpu.power_watts, 0):>6} "
                 f"{_show(gpu.temperature_celsius, 0):>4} {_show(gpu.sm_clock_mhz, 0):>6}  {processes}"
             )
     if rows:
         lines = [header, *rows, *lines]
     return "\n".join(lines) if lines else "no nodes"
+
+
+def _node_label(node: NodeSample) -> str:
+    # Several Ray nodes on one host share its address: the start of the node id tells them apart.
+    return f"{node.node} {node.node_id[:8]}" if node.node_id else node.node
 
 
 def _process(process: GpuProcess) -> str:
