@@ -1,5 +1,7 @@
 """The engine in a child process of its own: its own GIL (and CUDA context), away from the HTTP work.
 
+This module is the parent's side (the client); the child's command server is engine/process_server.py.
+
 In one process, the engine's loop thread and Serve's streaming machinery (an executor
 thread, two event loops) take turns on one GIL, and at high concurrency the host, not the
 GPU, sets the pace. `EngineProcess` stands in for the parts of `Engine` a server uses:
@@ -19,23 +21,17 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
-import traceback
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from gpt2_platform import gc_pauses
-from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.config import SAMPLING_MODES
-from gpt2_platform.engine.link import Address, Outlet
+from gpt2_platform.engine.link import Address
 from gpt2_platform.engine.requests import (
     Deliver,
     EngineConfig,
@@ -47,12 +43,9 @@ from gpt2_platform.engine.requests import (
 
 if TYPE_CHECKING:
     # Only the child builds an engine: the parent (a Serve replica) never loads torch for it.
-    from gpt2_platform.engine.engine import Engine
+    pass
 
 logger = logging.getLogger(__name__)
-
-# How often the child checks on its parent and on its engine, and at most how often it sends stats.
-_POLL_S = 0.1
 
 
 class EngineStartError(RuntimeError):
@@ -354,77 +347,6 @@ class EngineProcess:
             logger.exception("could not deliver the engine failure")
 
 
-# ---- the child -----------------------------------------------------------------------------------
-class _RequestTag:
-    """The child's `on_event` for a request of the parent's: never called (events go out in batches), it
-    names the parent's id."""
-
-    __slots__ = ("request_id",)
-
-    def __init__(self, request_id: int) -> None:
-        self.request_id = request_id
-
-    def __call__(self, event: Event) -> None:
-        raise AssertionError("the engine process delivers events in batches")
-
-
-def _pack(request_id: int, event: Event) -> tuple:
-    """An event as a tuple in Event's field order, under the parent's request id (tuples pickle faster)."""
-    return (
-        request_id,
-        event.token_ids,
-        event.text,
-        event.finish_reason,
-        event.prompt_tokens,
-        event.completion_tokens,
-        event.seed,
-        event.error,
-        event.logprobs,
-        event.prompt_logprobs,
-    )
-
-
-class _Outlets:
-    """The child's token links, one per ingress, and the sequences ingresses send on them.
-
-    A sequence that comes over a link goes from the link's reader thread straight into the engine: it
-    never passes through the parent, whose Serve replica would spend more host time per sequence than
-    the engine does.
-    """
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._by_address: dict[tuple, Outlet] = {}
-        self._lock = threading.Lock()
-
-    def get(self, address: Address, authkey: bytes) -> Outlet:
-        address = tuple(address)
-        with self._lock:
-            outlet = self._by_address.get(address)
-            if outlet is None or outlet.closed:
-                outlet = self._by_address[address] = Outlet(address, authkey, self.engine.cancel, self.submit)
-        return outlet
-
-    def submit(
-        self, outlet: Outlet, key: int, prompt_ids: list[int], params: GenerationParams, admission: Admission | None
-    ) -> None:
-        """On the link's reader thread: run the sequence, or refuse it on the link at once (engine/admission.py;
-        None: never refused)."""
-        refusal = self.engine.refusal(admission) if admission is not None else None
-        if refusal is not None:
-            outlet.send_now([(key, -1, "refused", refusal.text())])
-            return
-        try:
-            _submit_to_outlet(self.engine, outlet, key, prompt_ids, params, None)
-        except (ValueError, EngineDeadError) as error:  # the ingress validated; this is the engine refusing
-            outlet.send_now([(key, -1, "error", f"engine refused: {error}")])
-
-    def in_flight(self) -> int:
-        """Sequences that came over links and have not finished."""
-        with self._lock:
-            return sum(len(outlet.engine_ids) for outlet in self._by_address.values() if not outlet.closed)
-
-
 ENGINE_PROCESS_NAME = "gpt2-engine"
 """The engine process's last command-line argument, and the first word of its title: what tells it apart
 from other Python processes."""
@@ -436,8 +358,8 @@ _CHILD_ENTRY = (
     "from multiprocessing.connection import Connection\n"
     "conn = Connection(int(sys.argv[1]))\n"
     "sys.path[:] = conn.recv()\n"
-    "from gpt2_platform.engine.process import _child_entry\n"
-    "_child_entry(conn)\n"
+    "from gpt2_platform.engine.process_server import child_entry\n"
+    "child_entry(conn)\n"
 )
 
 
@@ -478,197 +400,3 @@ def _wait(process: subprocess.Popen, timeout_s: float) -> bool:
     except subprocess.TimeoutExpired:
         return False
     return True
-
-
-def _child_entry(conn: Connection) -> None:
-    """The child's main: the rest of what the parent sent, then the engine."""
-    parent_pid, spec = conn.recv()
-    _set_title(spec)
-    _child_main(conn, parent_pid, spec)
-    # No interpreter shutdown, as multiprocessing's children have none: tearing down torch, Triton and
-    # CUDA only costs time, and Triton's bindings print leak reports into the replica's log.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _set_title(spec: EngineSpec) -> None:
-    """Show the process in `ps` and `top` as the engine of its model, not as `python -c <the entry code>`."""
-    try:
-        from setproctitle import setproctitle
-    except ImportError:  # optional: the command line still ends in ENGINE_PROCESS_NAME
-        return
-    setproctitle(f"{ENGINE_PROCESS_NAME} {spec.model}")
-
-
-def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
-    """Build and warm the engine, report ready, then serve the parent's commands until it says stop or dies."""
-    from gpt2_platform.worker_process import process_age_s
-
-    age = process_age_s()
-    # Ctrl-C in a terminal reaches the whole process group: the parent decides when this process stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not logging.getLogger().handlers:  # a fresh interpreter: the parent's logging setup did not come along
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine process] %(message)s"
-        )
-    send_lock = threading.Lock()
-    finished: deque[int] = deque()  # parent ids the engine finished, for the command thread to forget
-
-    def send(message: tuple) -> None:
-        with send_lock:
-            conn.send(message)
-
-    def deliver(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-        """On the engine thread, once per loop iteration: all of its events for the parent in one message.
-        (The tokens of sequences that came with a token link went to their ingress, engine/link.py.)"""
-        packed = []
-        for tag, event in batch:
-            packed.append(_pack(tag.request_id, event))
-            if event.finished:
-                finished.append(tag.request_id)
-        if packed:
-            send(("events", packed))
-
-    try:
-        # A replica's start-up is mostly this process's: say where it went, from the process's creation on,
-        # the imports timed apart.
-        imports = [time.perf_counter()]
-        import torch  # noqa: F401
-
-        imports.append(time.perf_counter())
-        from gpt2_platform import checkpoint
-        from gpt2_platform.engine.engine import Engine
-        from gpt2_platform.tokenizer import load_tokenizer
-
-        imports.append(time.perf_counter())
-        model = checkpoint.load_pretrained(spec.model)
-        loaded = time.perf_counter()
-        tokenizer = conn.recv()  # from the parent (EngineProcess._send_tokenizer), loaded meanwhile
-        waited = time.perf_counter()
-        from_parent = tokenizer is not None
-        if not from_parent:  # not plain byte-level BPE: the engine needs the tokenizer itself
-            tokenizer = load_tokenizer(spec.tokenizer)
-        tokenized = time.perf_counter()
-        engine = Engine(model, tokenizer, spec.config)
-        built = time.perf_counter()
-        engine.deliver_in_batches(deliver)
-        engine.start(spec.warmup, spec.modes)
-        logger.info(
-            "engine ready %.1f s after this process started (interpreter %.1f s; imports %.1f s: torch %.1f, "
-            "ours %.1f; model %.1f s; tokenizer: waited for the parent's %.1f s%s; engine %.1f s, warm-up %.1f s)",
-            (age or 0.0) + time.perf_counter() - imports[0],
-            age or 0.0,
-            imports[-1] - imports[0],
-            imports[1] - imports[0],
-            imports[2] - imports[1],
-            loaded - imports[2],
-            waited - loaded,
-            "" if from_parent else f", not byte-level BPE so loaded here {tokenized - waited:.1f} s",
-            built - tokenized,
-            time.perf_counter() - built,
-        )
-        # What this process holds by now (torch, the model, the graphs) lives as long as it does: out of
-        # the collector's sight, a full collection no longer walks it while the engine's thread waits.
-        gc_pauses.settle()
-    except BaseException:
-        send(("failed", traceback.format_exc()))
-        return
-    try:
-        info = {
-            "max_seq_len": engine.max_seq_len,
-            "vocab_size": engine.runner.model.config.vocab_size,
-            "transformers_imported": "transformers" in sys.modules,
-        }
-        send(("ready", {**info, "stats": engine.stats()}))
-        _serve_commands(conn, parent_pid, engine, send, finished, _Outlets(engine), gc_pauses.GcPauses())
-    except (EOFError, OSError):
-        pass  # the parent is gone
-    finally:
-        engine.shutdown()
-        conn.close()
-
-
-def _serve_commands(
-    conn: Connection,
-    parent_pid: int,
-    engine: Engine,
-    send: Callable[[tuple], None],
-    finished: deque[int],
-    outlets: _Outlets,
-    pauses: gc_pauses.GcPauses,
-) -> None:
-    engine_ids: dict[int, int] = {}  # parent's request id -> the engine's, for cancel
-    last_stats, last_stats_at = None, 0.0
-    while os.getppid() == parent_pid:
-        if conn.poll(_POLL_S):
-            command, *args = conn.recv()
-            if command == "shutdown":
-                return
-            if command == "submit":
-                _submit(engine, engine_ids, outlets, send, *args)
-            elif command == "connect":
-                try:
-                    outlets.get(*args)
-                except OSError as error:  # the ingress went away meanwhile; it asks again if it is back
-                    logger.warning("could not open a token link to %s: %r", args[0], error)
-            elif command == "cancel" and args[0] in engine_ids:
-                engine.cancel(engine_ids.pop(args[0]))  # one is enough; a waiting request never finishes
-        while finished:
-            engine_ids.pop(finished.popleft(), None)
-        try:
-            engine.check_health()
-        except EngineDeadError as error:
-            send(("dead", str(error)))
-            return
-        if time.monotonic() - last_stats_at >= _POLL_S:
-            stats = {**engine.stats(), "link_sequences": outlets.in_flight(), **pauses.stats()}
-            last_stats_at = time.monotonic()
-            if stats != last_stats:
-                send(("stats", stats))
-                last_stats = stats
-
-
-def _submit_to_outlet(
-    engine: Engine,
-    outlet: Outlet,
-    key: int,
-    prompt_ids: list[int],
-    params: GenerationParams,
-    on_event: Callable[[Event], None] | None,
-) -> int:
-    """A sequence whose tokens go to `outlet` under `key`, known to the outlet by its engine id (for the
-    ingress's cancels) from before the engine can finish it: its last record removes the key."""
-    outlet.engine_ids[key] = None
-    try:
-        engine_id = engine.submit(prompt_ids, params, on_event, tokens_only=True, sink=outlet, sink_key=key)
-    except BaseException:
-        outlet.engine_ids.pop(key, None)  # refused: nothing in flight for this key
-        raise
-    if key in outlet.engine_ids:  # not finished already
-        outlet.engine_ids[key] = engine_id
-    return engine_id
-
-
-def _submit(
-    engine: Engine,
-    engine_ids: dict[int, int],
-    outlets: _Outlets,
-    send: Callable[[tuple], None],
-    request_id: int,
-    prompt_ids: list[int],
-    params: GenerationParams,
-    incremental_text: bool,
-    tokens_only: bool,
-    outlet_spec: tuple[Address, bytes, int] | None,
-) -> None:
-    try:
-        tag = _RequestTag(request_id)
-        if outlet_spec is None:
-            engine_ids[request_id] = engine.submit(prompt_ids, params, tag, incremental_text, tokens_only)
-        else:
-            address, authkey, key = outlet_spec
-            outlet = outlets.get(address, authkey)
-            engine_ids[request_id] = _submit_to_outlet(engine, outlet, key, prompt_ids, params, tag)
-    except (ValueError, EngineDeadError, OSError) as error:  # the parent validated; this is the engine refusing
-        send(("events", [(request_id, [], "", "error", len(prompt_ids), 0, 0, f"engine refused: {error}")]))
