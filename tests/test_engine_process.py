@@ -20,6 +20,7 @@ import test_serve
 from gpt2_platform import checkpoint
 from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams
 from gpt2_platform.engine.link import Inlet, Link
+from gpt2_platform.engine.messages import StepOutput
 from gpt2_platform.engine.process import EngineProcess, EngineStartError
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.tokenizer import load_tokenizer
@@ -315,11 +316,15 @@ class Ingress:
         self.links: list[Link] = []
         self.inlet = Inlet("127.0.0.1", self._on_message, lambda link: self.lost.set())
 
-    def _on_message(self, link: Link, records: list[tuple]) -> None:
+    def _on_message(self, link: Link, output: StepOutput) -> None:
+        """Each row of a step's output as a record: (key, token or -1, finish reason or None, error or None)."""
         if link not in self.links:
             self.links.append(link)
         self.messages += 1
-        self.records.extend(records)
+        finished = output.finished or {}
+        for row, (key, token) in enumerate(zip(output.keys, output.tokens, strict=True)):
+            reason, error, _ = finished.get(row, (None, None, None))
+            self.records.append((key, token, reason, error))
 
     def outlet(self, key: int) -> tuple:
         return (self.inlet.address, self.inlet.authkey, key)

@@ -13,9 +13,8 @@ TCP socket authenticated by a key the ingress hands out in that call (which Ray'
 authentication covers), so no other process can inject or read tokens. Submits and cancels go from
 the ingress straight to the engine's process on the same connection, without a Ray call.
 
-Messages are pickled lists, so only the two authenticated ends ever unpickle them. A token record is
-`(key, token, finish_reason, error)`: `token` is -1 when there is none (an abort or a failure),
-and `finish_reason` is None while the sequence goes on.
+Messages are pickled, so only the two authenticated ends ever unpickle them. They are engine/messages.py's:
+a `SubmitRequest` or a `Cancel` from the ingress, and one `StepOutput` per engine step back from the engine.
 """
 
 from __future__ import annotations
@@ -27,15 +26,12 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 
-from gpt2_platform.engine.admission import Admission
-from gpt2_platform.engine.requests import GenerationParams, TokenRecord
+from gpt2_platform.engine.messages import Address, Cancel, Finish, StepOutput, SubmitRequest
+from gpt2_platform.engine.requests import TokenRecord
 
 logger = logging.getLogger(__name__)
 
-Record = TokenRecord
-"""(key, token or -1, finish reason or None, error or None)"""
-
-Address = tuple[str, int]
+__all__ = ["Address", "Inlet", "Link", "Outlet", "new_authkey"]
 
 
 def new_authkey() -> bytes:
@@ -49,7 +45,7 @@ class Inlet:
     def __init__(
         self,
         host: str,
-        on_message: Callable[[Link, list[Record]], None],
+        on_message: Callable[[Link, StepOutput], None],
         on_lost: Callable[[Link], None],
         on_connect: Callable[[Link], None] = lambda link: None,
     ) -> None:
@@ -94,7 +90,7 @@ class Inlet:
         self.on_connect(link)
         try:
             while True:
-                self.on_message(link, conn.recv())
+                self.on_message(link, StepOutput.of_wire(conn.recv()))
         except (EOFError, OSError):
             pass
         except Exception:
@@ -113,14 +109,14 @@ class Link:
         self.closed = False
         self._lock = threading.Lock()
 
-    def submit(self, key: int, prompt_ids: list[int], params: GenerationParams, admission: Admission | None) -> bool:
-        """Send a sequence to this engine; False if the link is gone. `admission`: as GPT2Engine.generate's."""
-        return self._send(("submit", key, prompt_ids, params, admission))
+    def submit(self, request: SubmitRequest) -> bool:
+        """Send a sequence to this engine; False if the link is gone."""
+        return self._send(request)
 
     def cancel(self, key: int) -> None:
-        self._send(("cancel", key))
+        self._send(Cancel(key))
 
-    def _send(self, message: tuple) -> bool:
+    def _send(self, message: SubmitRequest | Cancel) -> bool:
         if self.closed:
             return False
         try:
@@ -133,10 +129,11 @@ class Link:
 
 
 class Outlet:
-    """The engine's end of one ingress's link: records gathered during a step, sent as one message.
+    """The engine's end of one ingress's link: records gathered during a step, sent as one `StepOutput`.
 
-    The engine's token sink (engine/requests.py: TokenSink): `send` runs on the engine's thread once
-    per step. A link that fails (its ingress is gone) is closed, and `on_cancel` gets the engine id of
+    The engine's token sink (engine/requests.py: TokenSink): the engine appends a record per token to
+    `pending` and hands each sequence's last one to `add`; `send` runs on the engine's thread once per
+    step. A link that fails (its ingress is gone) is closed, and `on_cancel` gets the engine id of
     each of its sequences, so the engine frees their slots.
     """
 
@@ -145,7 +142,7 @@ class Outlet:
         address: Address,
         authkey: bytes,
         on_cancel: Callable[[int], None],
-        on_submit: Callable[[Outlet, int, list[int], GenerationParams, int | None], None] | None = None,
+        on_submit: Callable[[Outlet, SubmitRequest], None] | None = None,
     ) -> None:
         self.address = address
         self.conn = Client(tuple(address), family="AF_INET", authkey=authkey)
@@ -155,28 +152,51 @@ class Outlet:
         self._send_lock = threading.Lock()  # the engine's thread sends steps, the reader refusals
         # key -> the engine's request id (None for the moment it is being submitted), for cancels
         self.engine_ids: dict[int, int | None] = {}
-        self.pending: list[Record] = []
+        self.pending: list[TokenRecord] = []
+        self._finished: dict[int, Finish] = {}  # row of pending -> the end of the sequence it ends
+        self._with_logprobs: set[int] = set()  # keys whose records carry log-probabilities
+        self._last_with_logprobs = False  # a last record (`add`) this step carried log-probabilities
         self.closed = False
         self._reader = threading.Thread(target=self._read, name="gpt2-outlet-reader", daemon=True)
         self._reader.start()
 
-    def add(self, record: Record) -> None:
+    def expect(self, key: int, logprobs: bool) -> None:
+        """Note a sequence about to be submitted under `key` (its engine id follows, for cancels)."""
+        self.engine_ids[key] = None
+        if logprobs:
+            self._with_logprobs.add(key)
+
+    def forget(self, key: int) -> None:
+        """A sequence `expect`ed and then refused: nothing is in flight under `key`."""
+        self.engine_ids.pop(key, None)
+        self._with_logprobs.discard(key)
+
+    def add(self, record: TokenRecord) -> None:
+        key = record[0]
+        self._finished[len(self.pending)] = (record[2], record[3], None)
         self.pending.append(record)
-        if record[2] is not None:
-            self.engine_ids.pop(record[0], None)
+        self.engine_ids.pop(key, None)
+        if key in self._with_logprobs:
+            self._with_logprobs.discard(key)
+            self._last_with_logprobs = True
 
     def send(self) -> bool:
         """Send what the step gathered; False if the link is gone (its sequences are cancelled)."""
         if not self.pending or self.closed:
             self.pending.clear()
+            self._finished.clear()
+            self._last_with_logprobs = False
             return not self.closed
+        with_logprobs = self._last_with_logprobs or bool(self._with_logprobs)
         records, self.pending = self.pending, []
-        return self.send_now(records)
+        finished, self._finished = self._finished, {}
+        self._last_with_logprobs = False
+        return self.send_now(StepOutput.of_records(records, finished, with_logprobs))
 
-    def send_now(self, records: list[Record]) -> bool:
+    def send_now(self, output: StepOutput) -> bool:
         try:
             with self._send_lock:
-                self.conn.send(records)
+                self.conn.send(output.wire())
             return True
         except OSError as error:
             logger.warning("token link to %s lost: %r", self.address, error)
@@ -190,11 +210,11 @@ class Outlet:
     def _read(self) -> None:
         try:
             while True:
-                command, key, *args = self.conn.recv()
-                if command == "submit" and self.on_submit is not None:
-                    self.on_submit(self, key, *args)
-                elif command == "cancel" and self.engine_ids.get(key) is not None:
-                    self.on_cancel(self.engine_ids.pop(key))
+                message = self.conn.recv()
+                if type(message) is SubmitRequest and self.on_submit is not None:
+                    self.on_submit(self, message)
+                elif type(message) is Cancel and self.engine_ids.get(message.key) is not None:
+                    self.on_cancel(self.engine_ids.pop(message.key))
         except (EOFError, OSError):
             pass
         except Exception:
@@ -210,6 +230,7 @@ class Outlet:
             if engine_id is not None:
                 self.on_cancel(engine_id)
         self.engine_ids.clear()
+        self._with_logprobs.clear()
 
 
 def _no_delay(conn: Connection) -> None:

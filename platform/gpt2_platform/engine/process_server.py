@@ -20,8 +20,8 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from gpt2_platform import gc_pauses
-from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.link import Address, Outlet
+from gpt2_platform.engine.messages import StepOutput, SubmitRequest
 from gpt2_platform.engine.process import ENGINE_PROCESS_NAME, EngineSpec
 from gpt2_platform.engine.requests import Deliver, EngineDeadError, Event, GenerationParams
 
@@ -84,19 +84,16 @@ class _Outlets:
                 outlet = self._by_address[address] = Outlet(address, authkey, self.engine.cancel, self.submit)
         return outlet
 
-    def submit(
-        self, outlet: Outlet, key: int, prompt_ids: list[int], params: GenerationParams, admission: Admission | None
-    ) -> None:
-        """On the link's reader thread: run the sequence, or refuse it on the link at once (engine/admission.py;
-        None: never refused)."""
-        refusal = self.engine.refusal(admission) if admission is not None else None
+    def submit(self, outlet: Outlet, request: SubmitRequest) -> None:
+        """On the link's reader thread: run the sequence, or refuse it on the link at once (engine/admission.py)."""
+        refusal = self.engine.refusal(request.admission) if request.admission is not None else None
         if refusal is not None:
-            outlet.send_now([(key, -1, "refused", refusal.text())])
+            outlet.send_now(StepOutput.ended(request.key, "refused", refusal.text(), None))
             return
         try:
-            _submit_to_outlet(self.engine, outlet, key, prompt_ids, params, None)
+            _submit_to_outlet(self.engine, outlet, request.key, request.prompt_ids, request.params, None)
         except (ValueError, EngineDeadError) as error:  # the ingress validated; this is the engine refusing
-            outlet.send_now([(key, -1, "error", f"engine refused: {error}")])
+            outlet.send_now(StepOutput.ended(request.key, "error", f"engine refused: {error}", None))
 
     def in_flight(self) -> int:
         """Sequences that came over links and have not finished."""
@@ -270,11 +267,11 @@ def _submit_to_outlet(
 ) -> int:
     """A sequence whose tokens go to `outlet` under `key`, known to the outlet by its engine id (for the
     ingress's cancels) from before the engine can finish it: its last record removes the key."""
-    outlet.engine_ids[key] = None
+    outlet.expect(key, params.logprobs is not None)
     try:
         engine_id = engine.submit(prompt_ids, params, on_event, tokens_only=True, sink=outlet, sink_key=key)
     except BaseException:
-        outlet.engine_ids.pop(key, None)  # refused: nothing in flight for this key
+        outlet.forget(key)  # refused: nothing in flight for this key
         raise
     if key in outlet.engine_ids:  # not finished already
         outlet.engine_ids[key] = engine_id

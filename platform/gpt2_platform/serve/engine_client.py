@@ -32,7 +32,8 @@ from transformers import PreTrainedTokenizerBase
 
 from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.detokenize import ByteTable
-from gpt2_platform.engine.link import Inlet, Link, Record
+from gpt2_platform.engine.link import Inlet, Link
+from gpt2_platform.engine.messages import DELTA, LinkTarget, StepOutput, SubmitRequest
 from gpt2_platform.engine.output import TextOutput
 from gpt2_platform.engine.requests import (
     Deliver,
@@ -50,6 +51,9 @@ logger = logging.getLogger(__name__)
 _LINK_GRACE_S = 5.0
 _PING_INTERVAL_S = 0.5
 _PING_TIMEOUT_S = 2.0
+_GOING_ON = (None, None, None)  # a row's end where its sequence goes on
+_NONE_FINISHED: dict = {}
+
 # How often this replica asks Serve to route it a `connect` call: an engine that Serve adds (autoscaling,
 # a replacement) is found within about this long (Serve picks one of two engines per call at random).
 _CONNECT_INTERVAL_S = 2.0
@@ -65,9 +69,9 @@ class _Remote:
     link: Link | None = None
     # With logprobs: one per token in output.generated, and the prompt's (echo), until events carry them.
     logprobs: LogprobStream | None = None
-    # What went over the link (prompt ids, the engine's params): sent again to another engine if its engine
-    # is lost before the first token, when nothing of it has reached the client.
-    sent: tuple[list[int], GenerationParams] | None = None
+    # What went over the link: sent again to another engine if its engine is lost before the first token,
+    # when nothing of it has reached the client.
+    sent: SubmitRequest | None = None
 
     def event(self, key: int, tokens: list[int], text: str) -> Event:
         """An event with `tokens`, the next the consumer has not had, and their log-probabilities."""
@@ -160,13 +164,15 @@ class RemoteEngine:
         engine_params = dataclasses.replace(params, stop=(), sampling=sampling)
         self._sequences[key] = sequence
         admission = dataclasses.replace(self.admission(), size=request_size) if request_size else None
+        request = SubmitRequest(key, list(prompt_ids), engine_params, DELTA, admission)
         link = self._least_loaded_link()
-        if link is not None and link.submit(key, list(prompt_ids), engine_params, admission):
-            sequence.link, sequence.sent = link, (list(prompt_ids), engine_params)
+        if link is not None and link.submit(request):
+            sequence.link, sequence.sent = link, request
             link.keys.add(key)
             return key
-        outlet = (self.inlet.address, self.inlet.authkey, key)  # no link yet: through Serve
-        sequence.response = self.handle.generate.remote(outlet, list(prompt_ids), engine_params, admission)
+        # No link yet: through Serve, the tokens to this replica's link all the same.
+        target = LinkTarget(self.inlet.address, self.inlet.authkey, key)
+        sequence.response = self.handle.generate.remote(request._replace(link=target))
         self._loop.create_task(self._watch(key, sequence))
         return key
 
@@ -201,19 +207,23 @@ class RemoteEngine:
         self.inlet.close()
 
     # ---- tokens in ---------------------------------------------------------------------------
-    def _from_link(self, link: Link, records: list[Record]) -> None:
+    def _from_link(self, link: Link, output: StepOutput) -> None:
         """On the link's reader thread: hop to the event loop once per message (one per engine step)."""
-        self._loop.call_soon_threadsafe(self._take, link, records)
+        self._loop.call_soon_threadsafe(self._take, link, output)
 
-    def _take(self, link: Link, records: list[Record]) -> None:
+    def _take(self, link: Link, output: StepOutput) -> None:
+        """The one loop over a step's output: tokens into text (stop strings too), events to their consumers."""
         batch: list[tuple[Callable[[Event], None], Event]] = []
         sequences = self._sequences
-        for key, token, reason, error, *logprobs in records:
+        keys, tokens, finished, logprobs = output
+        finished = finished or _NONE_FINISHED
+        for row, (key, token) in enumerate(zip(keys, tokens, strict=True)):
             sequence = sequences.get(key)
             if sequence is None:
                 continue  # finished here already (a stop string, a cancel): the engine's tail is dropped
-            if logprobs:  # (the token's, the prompt's): a sequence that asked for them
-                token_logprob, prompt_logprobs = logprobs[0]
+            reason, error, _ = finished.get(row, _GOING_ON)
+            if logprobs is not None and row in logprobs:  # a sequence that asked for them
+                token_logprob, prompt_logprobs = logprobs[row]
                 if token_logprob is not None:
                     sequence.logprobs.tokens.append(token_logprob)
                 if prompt_logprobs is not None:
@@ -340,14 +350,12 @@ class RemoteEngine:
         link = self._least_loaded_link()
         if link is None or sequence.sent is None or sequence.output.generated:
             return False
-        prompt_ids, params = sequence.sent
-        if not link.submit(key, prompt_ids, params, None):
+        if not link.submit(sequence.sent._replace(admission=None)):
             return False
         sequence.link = link
         link.keys.add(key)
         logger.info("sequence %d sent again to another engine: its engine was lost before its first token", key)
         return True
-        link.keys.clear()
 
     def _engine_failed(self, why: str) -> None:
         if self._down is None:

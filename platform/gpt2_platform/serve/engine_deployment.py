@@ -27,11 +27,12 @@ from typing import Any
 import ray
 from ray import serve
 
-from gpt2_platform.engine.admission import Admission, decide
+from gpt2_platform.engine.admission import decide
 from gpt2_platform.engine.config import EngineConfig
 from gpt2_platform.engine.link import Address
+from gpt2_platform.engine.messages import SubmitRequest
 from gpt2_platform.engine.process import EngineProcess
-from gpt2_platform.engine.requests import Event, GenerationParams
+from gpt2_platform.engine.requests import Event
 from gpt2_platform.monitoring import exporter
 from gpt2_platform.serve.autoscaling import ENGINE_SEQUENCES
 from gpt2_platform.serve.metrics import ServeMetrics
@@ -102,20 +103,15 @@ class GPT2Engine:
         if hasattr(self, "engine"):
             self.engine.shutdown()
 
-    async def generate(
-        self,
-        outlet: tuple[Address, bytes, int],
-        prompt_ids: list[int],
-        params: GenerationParams,
-        admission: Admission | None,
-    ) -> dict[str, Any]:
-        """Run one sequence, its tokens going to `outlet`; returns how it ended once it has.
+    async def generate(self, request: SubmitRequest) -> dict[str, Any]:
+        """Run one sequence, its tokens going to `request.link`; returns how it ended once it has.
 
         Refused at once (`{"refused": ...}`) when the engine should not start it within the wait budget
         (engine/admission.py): the ingress answers 429 with the engine's Retry-After. None: never refused
         (the rest of a request whose first sequence was admitted). Cancelling the call (the client went
         away) cancels the sequence.
         """
+        admission = request.admission
         if admission is not None:
             stats = self.engine.stats()
             refusal = decide(
@@ -129,7 +125,9 @@ class GPT2Engine:
         def on_event(event: Event) -> None:  # the last event only: the tokens went to the ingress
             loop.call_soon_threadsafe(_settle, done, event)
 
-        request_id = self.engine.submit(prompt_ids, params, on_event, tokens_only=True, outlet=outlet)
+        request_id = self.engine.submit(
+            request.prompt_ids, request.params, on_event, tokens_only=True, outlet=request.link
+        )
         try:
             event = await done
         except asyncio.CancelledError:
