@@ -2,8 +2,9 @@
 
     python tools/probes/actor_startup.py [--json-out F]
 
-The batch job's GPU actor reached our constructor 13-16 s after its process started on the H200
-machine (docs/benchmarks.md), for imports that take about 3 s in a plain Python on the CPU testbed.
+Written when the batch job's GPU actor reached our constructor many seconds after its process started on
+a GPU machine, for imports that take a few seconds in a plain Python on the CPU testbed
+(docs/benchmarks/2026-12-01-s6-s7-pdl-startup-h200.md).
 This starts Ray as the jobs do (`init_ray`: on a local cluster the package reaches workers by PYTHONPATH)
 and times, each from the driver's `.remote()` and from the worker process's own start:
 

@@ -19,7 +19,7 @@ Variants:
 
 At commit 5912346 this probe also compared flash attention's varlen kernel for the decode
 attention (reading each row's keys up to its own position) with masked SDPA; it was slower
-(docs/benchmarks.md) and left the engine.
+(docs/benchmarks/2026-12-01-s4-engine-best-of-3-h200.md) and left the engine.
 
 For each: compile + capture seconds, replay ms at batch 1, 64 and 256 (position 200, span 256),
 kernels per replay at batch 1 and 64 (with the top ones), and whether its greedy tokens at batch

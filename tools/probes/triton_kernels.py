@@ -33,7 +33,8 @@ CONFIGS = [
     for n, k, w in [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (8, 1024, 8)]
 ]
 """GEMV tilings tried at batch 1. An earlier version of this probe also had `tl.dot` tiles for 64 and
-256 rows; they lost to cuBLAS (docs/benchmarks.md) and the kernel no longer has them."""
+256 rows; they lost to cuBLAS (docs/benchmarks/2026-12-01-s5-decode-kernels-h200.md) and the kernel no
+longer has them."""
 
 
 def graph_us(fn) -> float:

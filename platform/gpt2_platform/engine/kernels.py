@@ -103,7 +103,8 @@ def linear_config(n: int, k: int) -> dict[str, int]:
     """Tile sizes for `ln_linear`: a GEMV, one row a program (the grid's second axis runs over rows).
 
     At batch 1 on an H200 (tools/probes/triton_kernels.py, weights hot in L2; figures in
-    docs/benchmarks.md), 8 output columns a program with whole 1,024-wide rows of K loaded at once was
+    docs/benchmarks/2026-12-01-s5-decode-kernels-h200.md), 8 output columns a program with whole
+    1,024-wide rows of K loaded at once was
     the fastest of seven tilings for every linear of GPT-2 124M, and beat cuBLAS plus torch's layer
     norm on each. Tiles of several rows (`tl.dot` at 16-64 rows, or products of 4 rows with K cut to 256
     to fit the registers) lost to cuBLAS, which is why rows past `GEMV_MAX_BATCH` go to cuBLAS.
@@ -169,8 +170,8 @@ def write_cache(
 
     Why not an indexed assignment: a prefill's write went through torch's generic index kernel plus a
     stack of k and v, a large share of a batch job's prefill (tools/probes/prefill_cost.py,
-    docs/benchmarks.md). One program a token reads its keys and values where the projection left them and
-    writes each head's D values contiguously.
+    docs/benchmarks/2026-12-03-s14-batch-h200.md). One program a token reads its keys and values where
+    the projection left them and writes each head's D values contiguously.
     """
     tokens, heads, head_dim = k.shape
     assert kv.is_contiguous() and kv.shape[1] == 2 and k.stride(2) == 1 and v.stride(2) == 1
@@ -222,8 +223,8 @@ def decode_attention(
     if num_warps is None:
         num_warps = 2 if batch >= 256 else 4
     if num_stages is None:
-        # From 256 rows, software-pipelining the cache loop 2 deep read it 2-3% faster (the probe's sweep at
-        # 256 and 1,024 rows; docs/benchmarks.md); below, not measured: the plain loop.
+        # From 256 rows, software-pipelining the cache loop 2 deep read it faster (the probe's sweep at 256
+        # and 1,024 rows: docs/benchmarks/2026-12-03-s17-batch-h200.md); below, not measured: the plain loop.
         num_stages = 2 if batch >= 256 else 0
     assert two == 2 and kv.is_contiguous() and qkv.is_contiguous() and qkv.shape[1] == 3 * heads * head_dim
     out = torch.empty(batch, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -309,7 +310,7 @@ class TritonDecoder:
     residual). Past it, 7 (`gemm_layers`): cuBLAS GEMMs, which our `tl.dot` tiles did not beat, that
     add the residual themselves, around our attention and our layer norms that add the bias. The LM
     head is always cuBLAS: 77 MB streamed, where our kernel was no faster on an H200
-    (docs/benchmarks.md).
+    (docs/benchmarks/2026-12-01-s5-decode-kernels-h200.md).
 
     Holds references to the model's own parameters (no copies), so it follows weights loaded later.
     `pdl`: programmatic dependent launch between our kernels; None: where the device supports it.
