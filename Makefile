@@ -35,6 +35,7 @@ test-multinode: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check platform jobs tools tests
 	$(VENV)/bin/ruff format --check platform jobs tools tests
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) jobs/bench_train.py
