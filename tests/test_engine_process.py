@@ -1,5 +1,7 @@
 """The engine in a child process (engine/process.py): the same tokens as in process, events per step,
 cancel, validation in the parent, a child that dies or whose parent dies, and the token link to an ingress.
+
+The child makes no text: the tests that compare text make it in this process (helpers_engine_process.py).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import test_serve
 from gpt2_platform import checkpoint
 from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams
 from gpt2_platform.engine.link import Inlet, Link
-from gpt2_platform.engine.messages import StepOutput
+from gpt2_platform.engine.messages import LinkTarget, StepOutput
 from gpt2_platform.engine.process import EngineProcess, EngineStartError
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.tokenizer import load_tokenizer
+from helpers_engine_process import TextEngineProcess
 from test_serve import wait_until
 
 model_dir = test_serve.model_dir  # the fixture: a tiny model trained to write ASCII, with the byte tokenizer
@@ -53,7 +56,9 @@ class Recorder:
             assert self.finished.acquire(timeout=timeout_s), "a request did not finish"
 
 
-def run_to_end(engine: Engine | EngineProcess, prompts: list[list[int]], params: GenerationParams) -> list[list[Event]]:
+def run_to_end(
+    engine: Engine | TextEngineProcess, prompts: list[list[int]], params: GenerationParams
+) -> list[list[Event]]:
     recorder = Recorder()
     ids = [engine.submit(prompt, params, recorder) for prompt in prompts]
     recorder.wait(len(ids))
@@ -76,8 +81,8 @@ def batches() -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def engine_process(model_dir: Path, batches: list[int]) -> Iterator[EngineProcess]:
-    engine = EngineProcess(str(model_dir), str(model_dir), CONFIG).start()
+def engine_process(model_dir: Path, batches: list[int]) -> Iterator[TextEngineProcess]:
+    engine = TextEngineProcess(str(model_dir), str(model_dir), CONFIG).start()
 
     def deliver(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
         batches.append(len(batch))
@@ -110,7 +115,7 @@ def word_level_tokenizer(directory: Path, eos: bool) -> Path:
 
 def test_a_tokenizer_that_is_not_byte_level_is_loaded_by_the_child_and_a_bad_one_fails_at_once(model_dir, tmp_path):
     words = word_level_tokenizer(tmp_path / "words", eos=True)
-    engine = EngineProcess(str(model_dir), str(words), CONFIG, warmup=False).start()
+    engine = TextEngineProcess(str(model_dir), str(words), CONFIG, warmup=False).start()
     try:
         assert engine.child_imported_transformers is True
         [events] = run_to_end(engine, [[1, 2]], greedy(6))
@@ -201,7 +206,7 @@ def test_cancel_frees_a_running_slot_and_ends_a_waiting_request_at_once(engine_p
 
 def test_a_bad_request_is_refused_in_the_parent(engine_process, monkeypatch):
     sent = []
-    monkeypatch.setattr(engine_process, "_send", sent.append)
+    monkeypatch.setattr(engine_process.process, "_send", sent.append)
     cases = [
         ([], greedy(4), "empty"),
         ([1, 300], greedy(4), "vocabulary"),
@@ -222,7 +227,7 @@ def test_the_process_is_titled_as_the_engine_of_its_model(engine_process, model_
 
 def test_a_killed_child_fails_pending_requests_and_health(model_dir):
     exits: list[tuple[float, str]] = []
-    engine = EngineProcess(
+    engine = TextEngineProcess(
         str(model_dir),
         str(model_dir),
         EngineConfig(max_batch_size=2, dtype="fp32"),
@@ -326,8 +331,8 @@ class Ingress:
             reason, error, _ = finished.get(row, (None, None, None))
             self.records.append((key, token, reason, error))
 
-    def outlet(self, key: int) -> tuple:
-        return (self.inlet.address, self.inlet.authkey, key)
+    def outlet(self, key: int) -> LinkTarget:
+        return LinkTarget(self.inlet.address, self.inlet.authkey, key)
 
 
 def test_tokens_go_over_the_link_one_message_per_step_and_the_parent_hears_only_the_end(engine_process, model_dir):
@@ -335,7 +340,7 @@ def test_tokens_go_over_the_link_one_message_per_step_and_the_parent_hears_only_
     ends: list[Event] = []
     prompts = [list(b"alice has 3 apples."), list(b"bob")]
     for key, prompt in enumerate(prompts, start=1):
-        engine_process.submit(prompt, greedy(30), ends.append, tokens_only=True, outlet=ingress.outlet(key))
+        engine_process.process.submit(prompt, greedy(30), ends.append, link=ingress.outlet(key))
     assert wait_until(lambda: len(ends) == 2, timeout_s=30)
     assert wait_until(lambda: sum(1 for r in ingress.records if r[2] is not None) == 2, timeout_s=5)
     # The parent got each sequence's end with its counts and no tokens or text; the ingress got the tokens.
@@ -362,7 +367,7 @@ def test_tokens_go_over_the_link_one_message_per_step_and_the_parent_hears_only_
 def test_a_cancel_on_the_link_frees_the_slot_and_a_wrong_key_is_refused(engine_process):
     ingress = Ingress()
     ends: list[Event] = []
-    engine_process.submit(list(b"a long story"), greedy(110), ends.append, tokens_only=True, outlet=ingress.outlet(7))
+    engine_process.process.submit(list(b"a long story"), greedy(110), ends.append, link=ingress.outlet(7))
     # Cancel as soon as tokens come: polled every 0.1 s, the whole sequence (110 steps of a tiny model) once
     # finished before the cancel was sent.
     assert wait_until(lambda: ingress.records, timeout_s=30, interval_s=0.001)

@@ -4,11 +4,12 @@ This module is the parent's side (the client); the child's command server is eng
 
 In one process, the engine's loop thread and Serve's streaming machinery (an executor
 thread, two event loops) take turns on one GIL, and at high concurrency the host, not the
-GPU, sets the pace. `EngineProcess` stands in for the parts of `Engine` a server uses:
-the parent validates and submits; the child (a fresh interpreter) owns the model and
-sends one message per engine step with all of that step's events; a reader thread in the
-parent hands each message to the `deliver_in_batches` function in one call, so a server
-still wakes its event loop once per step.
+GPU, sets the pace. `EngineProcess` is the parent's client: it validates and sends
+`SubmitRequest`s (engine/messages.py); the child (a fresh interpreter) owns the model and
+sends one `StepOutput` per engine step; a reader thread in the parent turns it into events
+and hands them to the `deliver_in_batches` function in one call, so a server still wakes its
+event loop once per step. The child makes no text: events carry token ids, and their consumer
+detokenizes (engine/output.py), as an ingress does with tokens that come over a token link.
 
 The child exits when its parent does (the pipe closes, or its parent pid changes), and
 if it dies, every pending request finishes with an error event and `check_health` raises; the
@@ -18,6 +19,7 @@ replica exits, to be replaced, rather than wait for its health checks to fail).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -28,10 +30,26 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.config import SAMPLING_MODES
-from gpt2_platform.engine.link import Address
+from gpt2_platform.engine.messages import (
+    DELTA,
+    FINAL_ONLY,
+    Address,
+    Cancel,
+    Connect,
+    Dead,
+    LinkTarget,
+    OutputKind,
+    Ready,
+    Shutdown,
+    StartFailed,
+    Stats,
+    StepOutput,
+    SubmitRequest,
+)
 from gpt2_platform.engine.requests import (
     Deliver,
     EngineConfig,
@@ -40,10 +58,6 @@ from gpt2_platform.engine.requests import (
     GenerationParams,
     validate_request,
 )
-
-if TYPE_CHECKING:
-    # Only the child builds an engine: the parent (a Serve replica) never loads torch for it.
-    pass
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +81,19 @@ class EngineSpec:
     """The sampling modes to warm."""
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A request the child has not finished: whom to tell, and what its events carry besides tokens."""
+
+    on_event: Callable[[Event], None]
+    prompt_tokens: int
+    seed: int
+    logprobs: bool
+    final_only: bool
+    started: bool = False  # it has had an output, so it holds a slot (or its tokens went to a link)
+    final: Event | None = None  # a final-only request's tokens so far
+
+
 class EngineProcess:
     """An `Engine` in a spawned child process, driven through a pipe; the parent only validates and routes events."""
 
@@ -88,10 +115,8 @@ class EngineProcess:
         self.vocab_size: int | None = None
         self.child_imported_transformers: bool | None = None  # whether the child needed the tokenizer itself
         self._ids = itertools.count(1)
-        # Requests submitted and not yet finished, and those of them that have had an event (so are
-        # in a slot); the lock keeps a cancel from slipping between a request's events.
-        self._pending: dict[int, Callable[[Event], None]] = {}
-        self._started: set[int] = set()
+        # Requests submitted and not yet finished; the lock keeps a cancel from slipping between a request's events.
+        self._pending: dict[int, _Pending] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._deliver: Deliver | None = None
@@ -113,15 +138,15 @@ class EngineProcess:
         self._process, self._conn = _start_child(self.spec)
         try:
             self._send_tokenizer()
-            info = self._wait_until_ready()
+            ready = self._wait_until_ready()
         except BaseException:  # the child serves nothing yet: nothing to wait for
             self._process.kill()
             _wait(self._process, 10)
             self._conn.close()
             raise
-        self.max_seq_len, self.vocab_size = info["max_seq_len"], info["vocab_size"]
-        self.child_imported_transformers = info["transformers_imported"]
-        self._stats = info["stats"]
+        self.max_seq_len, self.vocab_size = ready.max_seq_len, ready.vocab_size
+        self.child_imported_transformers = ready.transformers_imported
+        self._stats = ready.stats
         self._reader = threading.Thread(target=self._read, name="gpt2-engine-reader", daemon=True)
         self._reader.start()
         logger.info(
@@ -151,22 +176,22 @@ class EngineProcess:
         except OSError:
             pass  # the child is gone: waiting for it to be ready says how
 
-    def _wait_until_ready(self) -> dict[str, Any]:
+    def _wait_until_ready(self) -> Ready:
         assert self._conn is not None and self._process is not None
         while not self._conn.poll(1.0):
             if self._process.poll() is not None:
                 raise EngineStartError(f"the engine process exited with code {self._process.returncode} while starting")
         try:
-            kind, payload = self._conn.recv()
+            message = self._conn.recv()
         except EOFError:
             _wait(self._process, 5)
             raise EngineStartError(
                 f"the engine process exited with code {self._process.returncode} while starting"
             ) from None
-        if kind == "failed":
-            raise EngineStartError(f"the engine process could not start its engine:\n{payload}")
-        assert kind == "ready", kind
-        return payload
+        if type(message) is StartFailed:
+            raise EngineStartError(f"the engine process could not start its engine:\n{message.traceback}")
+        assert type(message) is Ready, message
+        return message
 
     def shutdown(self) -> None:
         """Stop the child's engine and the child; requests still pending finish with an error event."""
@@ -174,7 +199,7 @@ class EngineProcess:
             return
         self._stopping = True
         try:
-            self._send(("shutdown",))
+            self._send(Shutdown())
         except (OSError, EngineDeadError):
             pass  # already gone
         self._stop_process()
@@ -199,7 +224,7 @@ class EngineProcess:
             raise EngineDeadError("engine process is not running")
 
     def deliver_in_batches(self, deliver: Deliver) -> None:
-        """As `Engine.deliver_in_batches`: each engine step's events in one call, from the reader thread."""
+        """Each engine step's events in one call, from the reader thread, as `Engine.deliver_in_batches`."""
         self._deliver = deliver
 
     # ---- submitting --------------------------------------------------------------------------
@@ -213,26 +238,30 @@ class EngineProcess:
         prompt_ids: list[int],
         params: GenerationParams,
         on_event: Callable[[Event], None],
-        incremental_text: bool = True,
-        tokens_only: bool = False,
-        request_size: int = 1,
-        outlet: tuple[Address, bytes, int] | None = None,
+        output_kind: OutputKind = DELTA,
+        admission: Admission | None = None,
+        link: LinkTarget | None = None,
     ) -> int:
-        """Queue a request in the child; `on_event` is called from the reader thread (or through `deliver`).
+        """Queue a sequence in the child; `on_event` gets its events (token ids, no text) on the reader
+        thread, or through `deliver`: one per token with DELTA, one at the end with every token with FINAL_ONLY.
 
-        With `outlet` (an ingress's token link address, its key and the ingress's own key for the
-        sequence) the child sends the sequence's tokens straight to that ingress (engine/link.py), and
-        `on_event` here gets only its last event, without text: this process then carries no per-token work.
-        `request_size` is ignored, as by `Engine.submit`.
+        With `link` the child sends the tokens straight to that ingress (engine/link.py), and `on_event`
+        gets only the last event, with no tokens: this process then carries no per-token work. With
+        `admission` the child may refuse the sequence (a "refused" event, its error the refusal's text:
+        engine/admission.py). Stop strings are the consumer's: the engine ends a sequence by token only.
         """
         self.check_health()
         self.validate(prompt_ids, params)
+        # The seed is fixed here, so events can report it.
+        params = dataclasses.replace(params, sampling=params.sampling.resolved())
         request_id = next(self._ids)
+        pending = _Pending(
+            on_event, len(prompt_ids), params.sampling.seed, params.logprobs is not None, output_kind == FINAL_ONLY
+        )
         with self._lock:
-            self._pending[request_id] = on_event  # before sending: its first event may come back at once
+            self._pending[request_id] = pending  # before sending: its first event may come back at once
         try:
-            message = ("submit", request_id, list(prompt_ids), params, incremental_text, tokens_only, outlet)
-            self._send(message)
+            self._send(SubmitRequest(request_id, list(prompt_ids), params, output_kind, admission, link))
         except BaseException:
             self._forget(request_id)
             raise
@@ -243,7 +272,7 @@ class EngineProcess:
     def connect(self, address: Address, authkey: bytes) -> None:
         """Have the child open a token link to the ingress at `address` (if it has none), for the ingress
         to send it sequences directly (engine/link.py)."""
-        self._send(("connect", tuple(address), authkey))
+        self._send(Connect(tuple(address), authkey))
 
     def cancel(self, request_id: int) -> None:
         """Stop a request; its slot is free after the child's current step.
@@ -252,19 +281,20 @@ class EngineProcess:
         drop it from its waiting line without a word, and it must not count as in flight meanwhile.
         """
         with self._lock:
-            if request_id not in self._pending:
+            pending = self._pending.get(request_id)
+            if pending is None:
                 return
-            on_event = None if request_id in self._started else self._pending.pop(request_id)
-        if on_event is not None:
-            self._hand_over([(on_event, Event(request_id, [], "", finish_reason="abort"))])
+            if not pending.started:
+                del self._pending[request_id]
+        if not pending.started:
+            self._hand_over([(pending.on_event, self._ended(request_id, pending, "abort", None, 0))])
         try:
-            self._send(("cancel", request_id))
+            self._send(Cancel(request_id))
         except EngineDeadError:
             pass  # the reader fails every pending request
 
-    def _forget(self, request_id: int) -> Callable[[Event], None] | None:
+    def _forget(self, request_id: int) -> _Pending | None:
         with self._lock:
-            self._started.discard(request_id)
             return self._pending.pop(request_id, None)
 
     def stats(self) -> dict[str, Any]:
@@ -278,7 +308,7 @@ class EngineProcess:
         running = min(self._stats.get("running", 0), in_flight)
         return {**self._stats, "running": running, "waiting": in_flight - running}
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: SubmitRequest | Cancel | Connect | Shutdown) -> None:
         assert self._conn is not None, "start() the engine process first"
         try:
             with self._send_lock:
@@ -291,13 +321,14 @@ class EngineProcess:
         assert self._conn is not None and self._process is not None
         try:
             while True:
-                kind, payload = self._conn.recv()
-                if kind == "events":
-                    self._dispatch(payload)
-                elif kind == "stats":
-                    self._stats = payload
-                elif kind == "dead":
-                    self._error = payload
+                message = self._conn.recv()
+                kind = type(message)
+                if kind is tuple:  # a StepOutput, sent as a plain tuple
+                    self._dispatch(StepOutput.of_wire(message))
+                elif kind is Stats:
+                    self._stats = message.stats
+                elif kind is Dead:
+                    self._error = message.error
                     break
         except (EOFError, OSError):
             pass
@@ -311,21 +342,46 @@ class EngineProcess:
         if self._on_exit is not None:
             self._on_exit(self._error)
 
-    def _dispatch(self, packed: list[tuple]) -> None:
+    def _dispatch(self, output: StepOutput) -> None:
+        """A step's output as events: one per row for a delta request, one at the end for a final-only one."""
         batch: list[tuple[Callable[[Event], None], Event]] = []
+        keys, tokens, finished, logprobs = output
         with self._lock:
-            for fields in packed:
-                event = Event(*fields)
-                request_id = event.request_id
-                if event.finished:
-                    self._started.discard(request_id)
-                    on_event = self._pending.pop(request_id, None)
-                else:
-                    self._started.add(request_id)
-                    on_event = self._pending.get(request_id)
-                if on_event is not None:  # None: cancelled before it started, or failed
-                    batch.append((on_event, event))
+            for row, (request_id, token) in enumerate(zip(keys, tokens, strict=True)):
+                pending = self._pending.get(request_id)
+                if pending is None:
+                    continue  # cancelled before it started, or failed
+                pending.started = True
+                event = pending.final or Event(request_id, [], "", seed=pending.seed)
+                if pending.logprobs and event.logprobs is None:
+                    event.logprobs = []
+                if token >= 0:
+                    event.token_ids.append(token)
+                if logprobs is not None and row in logprobs:
+                    token_logprob, prompt_logprobs = logprobs[row]
+                    if token_logprob is not None:
+                        event.logprobs.append(token_logprob)
+                    if prompt_logprobs is not None:
+                        event.prompt_logprobs = prompt_logprobs
+                end = finished.get(row) if finished is not None else None
+                if end is not None:
+                    event.finish_reason, event.error, event.completion_tokens = end
+                    event.prompt_tokens = pending.prompt_tokens
+                    del self._pending[request_id]
+                elif pending.final_only:
+                    pending.final = event
+                    continue
+                batch.append((pending.on_event, event))
         self._hand_over(batch)
+
+    @staticmethod
+    def _ended(request_id: int, pending: _Pending, reason: str, error: str | None, completion_tokens: int) -> Event:
+        event = pending.final or Event(request_id, [], "", seed=pending.seed)
+        event.finish_reason, event.error = reason, error
+        event.prompt_tokens, event.completion_tokens = pending.prompt_tokens, completion_tokens
+        if pending.logprobs and event.logprobs is None:
+            event.logprobs = []
+        return event
 
     def _hand_over(self, batch: list[tuple[Callable[[Event], None], Event]]) -> None:
         if not batch:
@@ -339,8 +395,8 @@ class EngineProcess:
     def _fail_pending(self, error: str) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
-            self._started.clear()
-        batch = [(on_event, Event(i, [], "", finish_reason="error", error=error)) for i, on_event in pending.items()]
+        batch = [(p.on_event, self._ended(i, p, "error", error, len(p.final.token_ids) if p.final else 0))
+                 for i, p in pending.items()]  # fmt: skip
         try:
             self._hand_over(batch)
         except Exception:  # a consumer's callback must not hide the failure from the others

@@ -21,7 +21,18 @@ from typing import TYPE_CHECKING
 
 from gpt2_platform import gc_pauses
 from gpt2_platform.engine.link import Address, Outlet
-from gpt2_platform.engine.messages import StepOutput, SubmitRequest
+from gpt2_platform.engine.messages import (
+    FINAL_ONLY,
+    Cancel,
+    Connect,
+    Dead,
+    Ready,
+    Shutdown,
+    StartFailed,
+    Stats,
+    StepOutput,
+    SubmitRequest,
+)
 from gpt2_platform.engine.process import ENGINE_PROCESS_NAME, EngineSpec
 from gpt2_platform.engine.requests import Deliver, EngineDeadError, Event, GenerationParams
 
@@ -47,20 +58,13 @@ class _RequestTag:
         raise AssertionError("the engine process delivers events in batches")
 
 
-def _pack(request_id: int, event: Event) -> tuple:
-    """An event as a tuple in Event's field order, under the parent's request id (tuples pickle faster)."""
-    return (
-        request_id,
-        event.token_ids,
-        event.text,
-        event.finish_reason,
-        event.prompt_tokens,
-        event.completion_tokens,
-        event.seed,
-        event.error,
-        event.logprobs,
-        event.prompt_logprobs,
-    )
+def refusal(engine: Engine, request: SubmitRequest) -> str | None:
+    """Whether the engine refuses `request` under its admission (engine/admission.py), and why: the one
+    check for sequences from the parent and from ingresses' links alike."""
+    if request.admission is None:
+        return None
+    refused = engine.refusal(request.admission)
+    return None if refused is None else refused.text()
 
 
 class _Outlets:
@@ -86,9 +90,9 @@ class _Outlets:
 
     def submit(self, outlet: Outlet, request: SubmitRequest) -> None:
         """On the link's reader thread: run the sequence, or refuse it on the link at once (engine/admission.py)."""
-        refusal = self.engine.refusal(request.admission) if request.admission is not None else None
-        if refusal is not None:
-            outlet.send_now(StepOutput.ended(request.key, "refused", refusal.text(), None))
+        refused = refusal(self.engine, request)
+        if refused is not None:
+            outlet.send_now(StepOutput.ended(request.key, "refused", refused, None))
             return
         try:
             _submit_to_outlet(self.engine, outlet, request.key, request.prompt_ids, request.params, None)
@@ -141,28 +145,23 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
             conn.send(message)
 
     def deliver(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-        """On the engine thread, once per loop iteration: all of its events for the parent in one message.
+        """On the engine thread, once per loop iteration: all of its events for the parent in one StepOutput.
         (The tokens of sequences that came with a token link went to their ingress, engine/link.py.)"""
-        packed = []
+        if not batch:
+            return
         for tag, event in batch:
-            packed.append(_pack(tag.request_id, event))
             if event.finished:
                 finished.append(tag.request_id)
-        if packed:
-            send(("events", packed))
+        send(StepOutput.of_events([(tag.request_id, event) for tag, event in batch]).wire())
 
     try:
         engine = _build_engine(conn, spec, age, deliver)
     except BaseException:
-        send(("failed", traceback.format_exc()))
+        send(StartFailed(traceback.format_exc()))
         return
     try:
-        info = {
-            "max_seq_len": engine.max_seq_len,
-            "vocab_size": engine.runner.model.config.vocab_size,
-            "transformers_imported": "transformers" in sys.modules,
-        }
-        send(("ready", {**info, "stats": engine.stats()}))
+        vocab_size = engine.runner.model.config.vocab_size
+        send(Ready(engine.max_seq_len, vocab_size, "transformers" in sys.modules, engine.stats()))
         _serve_commands(conn, parent_pid, engine, send, finished, _Outlets(engine), gc_pauses.GcPauses())
     except (EOFError, OSError):
         pass  # the parent is gone
@@ -230,30 +229,31 @@ def _serve_commands(
     last_stats, last_stats_at = None, 0.0
     while os.getppid() == parent_pid:
         if conn.poll(_POLL_S):
-            command, *args = conn.recv()
-            if command == "shutdown":
+            message = conn.recv()
+            kind = type(message)
+            if kind is Shutdown:
                 return
-            if command == "submit":
-                _submit(engine, engine_ids, outlets, send, *args)
-            elif command == "connect":
+            if kind is SubmitRequest:
+                _submit(engine, engine_ids, outlets, send, message)
+            elif kind is Connect:
                 try:
-                    outlets.get(*args)
+                    outlets.get(message.address, message.authkey)
                 except OSError as error:  # the ingress went away meanwhile; it asks again if it is back
-                    logger.warning("could not open a token link to %s: %r", args[0], error)
-            elif command == "cancel" and args[0] in engine_ids:
-                engine.cancel(engine_ids.pop(args[0]))  # one is enough; a waiting request never finishes
+                    logger.warning("could not open a token link to %s: %r", message.address, error)
+            elif kind is Cancel and message.key in engine_ids:
+                engine.cancel(engine_ids.pop(message.key))  # one is enough; a waiting request never finishes
         while finished:
             engine_ids.pop(finished.popleft(), None)
         try:
             engine.check_health()
         except EngineDeadError as error:
-            send(("dead", str(error)))
+            send(Dead(str(error)))
             return
         if time.monotonic() - last_stats_at >= _POLL_S:
             stats = {**engine.stats(), "link_sequences": outlets.in_flight(), **pauses.stats()}
             last_stats_at = time.monotonic()
             if stats != last_stats:
-                send(("stats", stats))
+                send(Stats(stats))
                 last_stats = stats
 
 
@@ -283,20 +283,26 @@ def _submit(
     engine_ids: dict[int, int],
     outlets: _Outlets,
     send: Callable[[tuple], None],
-    request_id: int,
-    prompt_ids: list[int],
-    params: GenerationParams,
-    incremental_text: bool,
-    tokens_only: bool,
-    outlet_spec: tuple[Address, bytes, int] | None,
+    request: SubmitRequest,
 ) -> None:
+    """A sequence from the parent: refused under its admission, or run, its tokens to the parent or to the link
+    it names. The engine makes no text here: a delta request's tokens come one event each, a final-only one's
+    (where the engine can hold it quietly) in one event at its end."""
+    key, prompt_ids, params = request.key, request.prompt_ids, request.params
+    refused = refusal(engine, request)
+    if refused is not None:
+        send(StepOutput.ended(key, "refused", refused).wire())
+        return
     try:
-        tag = _RequestTag(request_id)
-        if outlet_spec is None:
-            engine_ids[request_id] = engine.submit(prompt_ids, params, tag, incremental_text, tokens_only)
+        tag = _RequestTag(key)
+        if request.link is None:
+            # Engine.submit holds a final-only sequence quietly only without stop strings, echo or logprobs;
+            # any other runs token by token, and the parent gathers its tokens.
+            final_only = request.output_kind == FINAL_ONLY
+            tokens_only = not final_only or bool(params.stop or params.echo or params.logprobs is not None)
+            engine_ids[key] = engine.submit(prompt_ids, params, tag, tokens_only=tokens_only, final_only=final_only)
         else:
-            address, authkey, key = outlet_spec
-            outlet = outlets.get(address, authkey)
-            engine_ids[request_id] = _submit_to_outlet(engine, outlet, key, prompt_ids, params, tag)
+            outlet = outlets.get(request.link.address, request.link.authkey)
+            engine_ids[key] = _submit_to_outlet(engine, outlet, request.link.key, prompt_ids, params, tag)
     except (ValueError, EngineDeadError, OSError) as error:  # the parent validated; this is the engine refusing
-        send(("events", [(request_id, [], "", "error", len(prompt_ids), 0, 0, f"engine refused: {error}")]))
+        send(StepOutput.ended(key, "error", f"engine refused: {error}").wire())

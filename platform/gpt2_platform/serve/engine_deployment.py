@@ -27,7 +27,6 @@ from typing import Any
 import ray
 from ray import serve
 
-from gpt2_platform.engine.admission import decide
 from gpt2_platform.engine.config import EngineConfig
 from gpt2_platform.engine.link import Address
 from gpt2_platform.engine.messages import SubmitRequest
@@ -106,19 +105,12 @@ class GPT2Engine:
     async def generate(self, request: SubmitRequest) -> dict[str, Any]:
         """Run one sequence, its tokens going to `request.link`; returns how it ended once it has.
 
-        Refused at once (`{"refused": ...}`) when the engine should not start it within the wait budget
-        (engine/admission.py): the ingress answers 429 with the engine's Retry-After. None: never refused
-        (the rest of a request whose first sequence was admitted). Cancelling the call (the client went
-        away) cancels the sequence.
+        Refused (`{"refused": ...}`) when the engine should not start it within the wait budget of
+        `request.admission`, decided in the engine process as for a sequence sent over a link
+        (engine/process_server.py: refusal): the ingress answers 429 with the engine's Retry-After. None:
+        never refused (the rest of a request whose first sequence was admitted). Cancelling the call (the
+        client went away) cancels the sequence.
         """
-        admission = request.admission
-        if admission is not None:
-            stats = self.engine.stats()
-            refusal = decide(
-                stats["running"], stats["waiting"], stats["max_batch_size"], stats["drain_per_s"], admission
-            )
-            if refusal is not None:
-                return {"refused": refusal.text()}
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Event] = loop.create_future()
 
@@ -126,13 +118,15 @@ class GPT2Engine:
             loop.call_soon_threadsafe(_settle, done, event)
 
         request_id = self.engine.submit(
-            request.prompt_ids, request.params, on_event, tokens_only=True, outlet=request.link
+            request.prompt_ids, request.params, on_event, admission=request.admission, link=request.link
         )
         try:
             event = await done
         except asyncio.CancelledError:
             self.engine.cancel(request_id)
             raise
+        if event.finish_reason == "refused":
+            return {"refused": event.error}
         return {"finish_reason": event.finish_reason, "error": event.error}
 
     def stats(self) -> dict[str, Any]:
