@@ -20,9 +20,10 @@ import pytest
 
 import test_serve
 from gpt2_platform import checkpoint
+from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams
 from gpt2_platform.engine.link import Inlet, Link
-from gpt2_platform.engine.messages import LinkTarget, StepOutput
+from gpt2_platform.engine.messages import FINAL_ONLY, LinkTarget, StepOutput
 from gpt2_platform.engine.process import EngineProcess, EngineStartError
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.tokenizer import load_tokenizer
@@ -202,6 +203,34 @@ def test_cancel_frees_a_running_slot_and_ends_a_waiting_request_at_once(engine_p
         engine_process.cancel(request_id)
     recorder.wait(3)
     assert engine_process.stats()["running"] == engine_process.stats()["waiting"] == 0
+
+
+def test_a_final_only_request_gets_one_event_with_every_token_and_a_refusal_comes_as_an_event(engine_process):
+    """output_kind "final": one event at the end, the deltas' tokens in order (quiet in the engine, or gathered
+    here where it asked for log-probabilities); an admission the engine cannot meet ends it "refused"."""
+    process = engine_process.process
+    [deltas] = run_to_end(engine_process, [list(b"bob")], greedy(12))
+    for params in (greedy(12), dataclasses.replace(greedy(12), logprobs=2)):
+        recorder = Recorder()
+        process.submit(list(b"bob"), params, recorder, output_kind=FINAL_ONLY)
+        recorder.wait(1)
+        [[final]] = recorder.events.values()
+        assert final.token_ids == [t for e in deltas for t in e.token_ids] and final.finish_reason == "length"
+        assert final.completion_tokens == 12 and final.prompt_tokens == 3
+        assert (final.logprobs is None) == (params.logprobs is None)
+        assert params.logprobs is None or len(final.logprobs) == 12
+    # Busy: 4 slots full of long sequences, and no queue allowed.
+    recorder = Recorder()
+    long_ids = [process.submit(list(b"a long story"), greedy(110), recorder) for _ in range(4)]
+    assert wait_until(lambda: len(recorder.events) == 4, timeout_s=30)
+    refused = Recorder()
+    process.submit(list(b"x"), greedy(2), refused, admission=Admission(max_waiting=0, max_wait_s=0.0))
+    refused.wait(1)
+    [[event]] = refused.events.values()
+    assert event.finish_reason == "refused" and "retry after" in event.error
+    for request_id in long_ids:
+        process.cancel(request_id)
+    recorder.wait(4)
 
 
 def test_a_bad_request_is_refused_in_the_parent(engine_process, monkeypatch):
