@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import math
 import os
 import queue
-import sys
 import tempfile
 import threading
 import time
@@ -17,20 +14,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from gpt2_platform import traces
 from gpt2_platform.model import GPT2, flops_per_token
+from gpt2_platform.train.collectives import all_reduce
 from gpt2_platform.train.config import Config, from_dict
+from gpt2_platform.train.history import HISTORY as HISTORY  # trainer.py and the tests import it from here
+from gpt2_platform.train.history import append_history, truncate_history
 from gpt2_platform.train.loading import build_model
 from gpt2_platform.train.loss import LMLoss
 from gpt2_platform.train.metrics import TrainMetrics
 from gpt2_platform.train.optim import precision_for, weights_dtype
 from gpt2_platform.train.parallelize import parallelize
+from gpt2_platform.train.profiler import Profiler
 from gpt2_platform.train.resume import (
     Resume,
     checkpoint_dir_name,
@@ -46,22 +45,14 @@ from gpt2_platform.train.run_checkpoint import (
 from gpt2_platform.train.scalars import ScalarLog
 from gpt2_platform.train.step import TrainStep, build_optimizer, lr_at, resolve_precision
 from gpt2_platform.train.throughput import mfu, peak_memory_gib, peak_tflops
+from gpt2_platform.train.validation import ValidationShard, evaluate, validation_batches
 from gpt2_platform.worker_process import configure_worker_logging
 
 logger = logging.getLogger(__name__)
 
-HISTORY = "history.jsonl"
-
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; training stops before saving a broken checkpoint."""
-
-
-def _all_reduce(values: list[float], device: torch.device, op: Any = None) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
-    return tensor.tolist()
 
 
 PREFETCH_MICRO_BATCHES = 32
@@ -153,52 +144,6 @@ class _ReadFailed:
         self.error = error
 
 
-@dataclass
-class ValidationShard:
-    """This rank's share of the fixed validation micro-batches, and the number of forwards every rank runs.
-
-    Under FSDP every forward is a collective (each block's parameters are all-gathered), so every rank must
-    run the same number of them: a rank whose share is shorter runs `filler` for the rest and does not count
-    its loss.
-    """
-
-    batches: list[torch.Tensor]
-    num_forwards: int
-    filler: torch.Tensor
-
-
-def validation_batches(
-    tokens: np.ndarray | None, micro_batch_size: int, rank: int, world: int
-) -> ValidationShard | None:
-    """Rank r's share of the complete validation micro-batches (every r-th one); None, on every rank, if
-    there is not one complete micro-batch. Every rank gets the same `tokens`, so all agree on the count."""
-    if tokens is None:
-        return None
-    tokens = torch.from_numpy(tokens.astype(np.int64))  # (rows, T + 1); a copy: the object store's array is read-only
-    batches = [tokens[i : i + micro_batch_size] for i in range(0, len(tokens) - micro_batch_size + 1, micro_batch_size)]
-    if not batches:
-        return None
-    return ValidationShard(batches[rank::world], num_forwards=math.ceil(len(batches) / world), filler=batches[0])
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, step_fn: TrainStep, shard: ValidationShard, device: torch.device) -> float:
-    """Mean validation loss per token over every rank's batches (the same number of forwards on each rank)."""
-    loss_sum, num_tokens = 0.0, 0
-    model.eval()
-    for i in range(shard.num_forwards):
-        counted = i < len(shard.batches)
-        tokens = (shard.batches[i] if counted else shard.filler).to(device)
-        with step_fn.autocast():
-            _, loss = model(tokens[:, :-1], tokens[:, 1:])
-        if counted:  # the model's loss is the mean over the batch's targets
-            loss_sum += loss.item() * tokens[:, 1:].numel()
-            num_tokens += tokens[:, 1:].numel()
-    model.train()
-    loss_sum, num_tokens = _all_reduce([loss_sum, num_tokens], device)
-    return loss_sum / num_tokens
-
-
 def resume_checkpoint(
     run_dir: Path, model: GPT2, device: torch.device, rank: int, expected: str | None
 ) -> Resume[OptimizerStates] | None:
@@ -210,7 +155,7 @@ def resume_checkpoint(
         run_dir, Path(latest.path) if latest is not None else None, lambda d: read_checkpoint(d, model, device)
     )
     step = resume.step if resume is not None else -1
-    (low,), (high,) = (_all_reduce([step], device, op) for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX))
+    (low,), (high,) = (all_reduce([step], device, op) for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX))
     if low != high:
         raise RuntimeError(
             f"workers chose checkpoints of steps {low:g} to {high:g}: {run_dir} must be the same shared storage "
@@ -223,123 +168,12 @@ def resume_checkpoint(
     return resume
 
 
-def _append_history(run_dir: Path, record: dict) -> None:
-    with (run_dir / HISTORY).open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def truncate_history(run_dir: Path, start_step: int) -> None:
-    """Drop the step records past `start_step` from history.jsonl, keeping every start record.
-
-    An attempt that failed after its last checkpoint logged steps the next attempt redoes: without this each
-    of them would appear twice. Rewritten through a temporary file, so a crash leaves the old or the new
-    history, never half of one.
-    """
-    path = run_dir / HISTORY
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines()
-    kept = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a worker that died while writing it
-            logger.warning("dropping a broken line of %s: %.80s", path, line)
-            continue
-        if record.get("step", 0) <= start_step:
-            kept.append(line)
-    if len(kept) == len(lines):
-        return
-    temporary = path.with_name(f".{HISTORY}.{os.getpid()}.tmp")
-    temporary.write_text("".join(line + "\n" for line in kept))
-    os.replace(temporary, path)
-
-
 def _inject_failure(run_dir: Path, step: int) -> None:
     marker = run_dir / f".injected-failure-step-{step}"
     if not marker.exists():
         marker.touch()
         logger.warning("fault injection: rank 0 exits at step %d", step)
         os._exit(1)
-
-
-# libkineto prints this once a process, with a bare fprintf that neither KINETO_LOG_LEVEL nor TORCH_CPP_LOG_LEVEL
-# reaches, when the first profiler starts in a thread other than the one that loaded libtorch, and Ray Train runs
-# this loop in a thread of its own. What it then skips is torch's set-up for MTIA devices: the trace is whole.
-_KINETO_THREAD_NOTICE = b"External init callback must run in same thread as registerClient"
-
-
-@contextlib.contextmanager
-def _stderr_without(text: bytes) -> Iterator[None]:
-    """Hold back what this process writes to its stderr meanwhile (any thread, C or Python), and write it
-    afterwards less the lines that contain `text`."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            kept = memoryview(b"".join(line for line in held if text not in line))
-            while kept:
-                kept = kept[os.write(2, kept) :]
-
-
-class Profiler:
-    """torch.profiler over a window of optimizer steps, written as Chrome trace files (gpt2_platform/traces.py).
-
-    Each step is a range of its own in the trace (`traces.STEP_PREFIX` and its number), so a summary and
-    a timeline viewer show where one ends and the next begins.
-    """
-
-    def __init__(self, enabled: bool, window: list[int], out_dir: Path, rank: int, device: torch.device) -> None:
-        self.first, self.last = window
-        self.out_dir, self.rank, self.device = out_dir, rank, device
-        self.profiler: torch.profiler.profile | None = None
-        self.step_range: torch.profiler.record_function | None = None
-        self.enabled = enabled
-
-    def before_step(self, step: int) -> None:
-        if self.enabled and step == self.first:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(
-                activities=activities,
-                record_shapes=True,
-                on_trace_ready=torch.profiler.tensorboard_trace_handler(
-                    str(self.out_dir), worker_name=f"rank{self.rank}"
-                ),
-            )
-            with _stderr_without(_KINETO_THREAD_NOTICE):
-                self.profiler.__enter__()
-        if self.profiler is not None:
-            self.step_range = torch.profiler.record_function(f"{traces.STEP_PREFIX}{step}")
-            self.step_range.__enter__()
-
-    def after_step(self, step: int) -> None:
-        if self.profiler is None:
-            return
-        assert self.step_range is not None
-        self.step_range.__exit__(None, None, None)
-        if step < self.last:
-            return
-        self.profiler.__exit__(None, None, None)
-        self.profiler = None
-        if self.rank == 0:
-            logger.info(
-                "profiler trace of steps %d-%d written to %s; summary: python jobs/trace_summary.py %s; "
-                "timeline: open it in %s",
-                self.first,
-                self.last,
-                self.out_dir,
-                self.out_dir,
-                traces.VIEWER,
-            )
 
 
 def _configure_worker_logging() -> None:
@@ -358,22 +192,100 @@ def _configure_worker_logging() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+@dataclass(frozen=True)
+class _Worker:
+    """This worker's place in the run: the run's config and directory, its rank of how many, its device."""
+
+    config: Config
+    run_dir: Path
+    rank: int
+    world: int
+    device: torch.device
+
+
+@dataclass
+class _Progress:
+    """Where the run stands: its last step done, the tokens trained on so far, and the schedule's length."""
+
+    step: int
+    tokens_seen: int
+    schedule_steps: int
+
+    def state(self) -> dict[str, int]:
+        """What a checkpoint keeps of it."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "schedule_steps": self.schedule_steps}
+
+
+@dataclass(frozen=True)
+class _Throughput:
+    """What turns a window of steps into the report's rates; fixed for the run."""
+
+    tokens_per_step: int
+    micro_per_epoch: int
+    model_flops: float  # per token
+    peak_tflops: float | None
+
+
+class _Window:
+    """The steps since the last report: their loss summed on the device (so no step waits for it), and time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), device=device)
+        self.num_steps, self.start = 0, time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss += loss
+        self.num_steps += 1
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.num_steps, self.start = 0, time.perf_counter()
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     """Runs on each worker: build, resume, train to max_steps, report and checkpoint."""
     _configure_worker_logging()
     config = from_dict(loop_config["config"])
-    run_dir = Path(loop_config["run_dir"])
-    tc = config.train
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
+    worker = _Worker(config, Path(loop_config["run_dir"]), rank, world, ray.train.torch.get_device())
+    tc, device = config.train, worker.device
     torch.manual_seed(tc.seed)
 
+    model, step_fn, resume = _build(worker, loop_config.get("resume_from"))
+    progress = _Progress(0, 0, tc.max_steps)
+    if resume is not None:
+        # The schedule keeps the length of the run that started it (see trainer.check_resume).
+        progress = _Progress(resume.step, resume.tokens_seen, resume.schedule_steps)
+    start_step = progress.step
+    throughput = _Throughput(
+        tokens_per_step=tc.micro_batch_size * tc.grad_accum_steps * world * config.data.block_size,
+        micro_per_epoch=loop_config["num_train_blocks"] // world // tc.micro_batch_size,
+        model_flops=flops_per_token(model.config, config.data.block_size),
+        peak_tflops=peak_tflops(device, tc.peak_tflops),
+    )
+    train_shard = ray.train.get_dataset_shard("train")
+    val = validation_batches(loop_config["val_tokens"], tc.micro_batch_size, rank, world)
+    skip = start_step * tc.grad_accum_steps
+    batches = micro_batches(train_shard, tc.micro_batch_size, device, tc.seed + rank, skip, throughput.micro_per_epoch)
+    if rank == 0:
+        _record_start(worker, model, step_fn.precision.name, start_step, throughput.tokens_per_step)
+    if start_step >= tc.max_steps:
+        if rank == 0:
+            logger.info("run already finished at step %d", start_step)
+        return
+    _train(worker, model, step_fn, batches, val, progress, throughput)
+
+
+def _build(worker: _Worker, expected: str | None) -> tuple[GPT2, TrainStep, Resume[OptimizerStates] | None]:
+    """The model (with the resumed checkpoint's weights, if any), parallelized, and its train step (with the
+    checkpoint's optimizer state); `expected`: the checkpoint the driver chose."""
+    config, device = worker.config, worker.device
+    tc, scaling = config.train, config.scaling
     model = build_model(config.model).to(device)
     precision = resolve_precision(precision_for(config.optim, tc.precision), device)
-    resume = resume_checkpoint(run_dir, model, device, rank, loop_config.get("resume_from"))
+    resume = resume_checkpoint(worker.run_dir, model, device, worker.rank, expected)
     model.to(weights_dtype(config.optim))  # after the checkpoint's fp32 weights are in
-    scaling = config.scaling
     train_model = parallelize(
         model,
         device,
@@ -386,68 +298,68 @@ def train_loop_per_worker(loop_config: dict) -> None:
     optimizer = build_optimizer(model, config.optim, device)
     loss_fn = LMLoss(tc.loss, tc.vocab_multiple)
     step_fn = TrainStep(train_model, optimizer, precision, device, config.optim.grad_clip, loss_fn=loss_fn)
-    start_step, tokens_seen, schedule_steps = 0, 0, tc.max_steps
     if resume is not None:
         load_optimizer_state(model, step_fn.optimizer, resume.loaded.optimizer)
         if resume.loaded.scaler is not None:
             step_fn.scaler.load_state_dict(resume.loaded.scaler)
-        # The schedule keeps the length of the run that started it (see trainer.check_resume).
-        start_step, tokens_seen, schedule_steps = resume.step, resume.tokens_seen, resume.schedule_steps
-    block_size = config.data.block_size
-    tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * world * block_size
-    micro_per_epoch = loop_config["num_train_blocks"] // world // tc.micro_batch_size
-    train_shard = ray.train.get_dataset_shard("train")
-    val = validation_batches(loop_config["val_tokens"], tc.micro_batch_size, rank, world)
-    batches = micro_batches(
-        train_shard, tc.micro_batch_size, device, tc.seed + rank, start_step * tc.grad_accum_steps, micro_per_epoch
-    )
-    model_flops = flops_per_token(model.config, block_size)
-    peak = peak_tflops(device, tc.peak_tflops)
-    profiler = Profiler(tc.profile, tc.profile_steps, run_dir / "profile", rank, device)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        truncate_history(run_dir, start_step)
-        _append_history(
-            run_dir,
-            {
-                "event": "start",
-                "start_step": start_step,
-                "world_size": world,
-                "tokens_per_step": tokens_per_step,
-                "time": time.time(),
-            },
-        )
-        logger.info(
-            "training %s (%.1fM params) on %d x %s, %s, compile=%s, from step %d to %d, %d tokens/step",
-            config.model.init_from or config.model.preset,
-            model.num_params() / 1e6,
-            world,
-            device.type,
-            precision.name,
-            tc.compile,
-            start_step,
-            tc.max_steps,
-            tokens_per_step,
-        )
-    if start_step >= tc.max_steps:
-        if rank == 0:
-            logger.info("run already finished at step %d", start_step)
-        return
-    # Flushed at every report, so a run that fails loses none of what it wrote.
-    scalars = ScalarLog(run_dir, start_step) if rank == 0 else None
+    return model, step_fn, resume
 
-    window_loss = torch.zeros((), device=device)
-    window_steps, window_start = 0, time.perf_counter()
-    for step in range(start_step + 1, tc.max_steps + 1):
+
+def _record_start(worker: _Worker, model: GPT2, precision: str, start_step: int, tokens_per_step: int) -> None:
+    """Rank 0: the attempt's start in history.jsonl (after dropping the steps it will redo), and in the log."""
+    config, run_dir = worker.config, worker.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    truncate_history(run_dir, start_step)
+    append_history(
+        run_dir,
+        {
+            "event": "start",
+            "start_step": start_step,
+            "world_size": worker.world,
+            "tokens_per_step": tokens_per_step,
+            "time": time.time(),
+        },
+    )
+    logger.info(
+        "training %s (%.1fM params) on %d x %s, %s, compile=%s, from step %d to %d, %d tokens/step",
+        config.model.init_from or config.model.preset,
+        model.num_params() / 1e6,
+        worker.world,
+        worker.device.type,
+        precision,
+        config.train.compile,
+        start_step,
+        config.train.max_steps,
+        tokens_per_step,
+    )
+
+
+def _train(
+    worker: _Worker,
+    model: GPT2,
+    step_fn: TrainStep,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    val: ValidationShard | None,
+    progress: _Progress,
+    throughput: _Throughput,
+) -> None:
+    """The steps after `progress.step` up to max_steps; a report every log_every steps, at every evaluation
+    and at every checkpoint."""
+    config, rank, run_dir, device = worker.config, worker.rank, worker.run_dir, worker.device
+    tc = config.train
+    profiler = Profiler(tc.profile, tc.profile_steps, run_dir / "profile", rank, device)
+    # Flushed at every report, so a run that fails loses none of what it wrote.
+    scalars = ScalarLog(run_dir, progress.step) if rank == 0 else None
+    window = _Window(device)
+    for step in range(progress.step + 1, tc.max_steps + 1):
         if rank == 0 and tc.fail_at_step == step:
             _inject_failure(run_dir, step)
         profiler.before_step(step)
-        lr = lr_at(step, config.optim, schedule_steps)
+        lr = lr_at(step, config.optim, progress.schedule_steps)
         loss, grad_norm = step_fn([next(batches) for _ in range(tc.grad_accum_steps)], lr)
         profiler.after_step(step)
-        window_loss += loss
-        window_steps += 1
-        tokens_seen += tokens_per_step
+        window.add(loss)
+        progress.step, progress.tokens_seen = step, progress.tokens_seen + throughput.tokens_per_step
 
         is_last = step == tc.max_steps
         do_eval = val is not None and ((tc.eval_every and step % tc.eval_every == 0) or is_last)
@@ -456,42 +368,49 @@ def train_loop_per_worker(loop_config: dict) -> None:
             continue
 
         # A report step: sync, check the loss, measure, evaluate, checkpoint.
-        (loss_sum,) = _all_reduce([window_loss.item()], device)
-        mean_loss = loss_sum / world / window_steps
-        if not math.isfinite(mean_loss):
-            raise NonFiniteLossError(
-                f"loss became {mean_loss} by step {step}; training stopped without saving this state. "
-                f"Lower optim.lr (now {config.optim.lr}), keep optim.grad_clip on, prefer bf16 to fp16, or check the data."
-            )
-        elapsed = time.perf_counter() - window_start
-        tokens_per_s = tokens_per_step * window_steps / elapsed
-        metrics: dict[str, Any] = {
-            "step": step,
-            "loss": mean_loss,
-            "lr": lr,
-            "grad_norm": float(grad_norm),
-            "tokens_per_s": tokens_per_s,
-            "step_time_ms": 1000 * elapsed / window_steps,
-            "tokens_seen": tokens_seen,
-            "epoch": step * tc.grad_accum_steps / max(1, micro_per_epoch),
-        }
-        utilization = mfu(tokens_per_s / world, model_flops, peak)
-        if utilization is not None:
-            metrics["mfu"] = utilization
-        peak_mem = peak_memory_gib(device)
-        if peak_mem is not None:
-            (metrics["peak_mem_gib"],) = _all_reduce(
-                [peak_mem], device, dist.ReduceOp.MAX if dist.is_initialized() else None
-            )
+        metrics = _measure(worker, window, progress, lr, grad_norm, throughput)
         if do_eval:
-            metrics["val_loss"] = evaluate(train_model, step_fn, val, device)
+            metrics["val_loss"] = evaluate(step_fn.model, step_fn, val, device)
             metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50.0))
-        state = {"step": step, "tokens_seen": tokens_seen, "schedule_steps": schedule_steps}
-        _report(metrics, do_checkpoint, rank, run_dir, model, step_fn, config, state, scalars)
-        window_loss.zero_()
-        window_steps, window_start = 0, time.perf_counter()
+        _report(metrics, do_checkpoint, rank, run_dir, model, step_fn, config, progress.state(), scalars)
+        window.reset()
     if scalars is not None:
         scalars.close()
+
+
+def _measure(
+    worker: _Worker, window: _Window, progress: _Progress, lr: float, grad_norm: torch.Tensor, throughput: _Throughput
+) -> dict[str, Any]:
+    """A report's metrics over the window, the same on every rank; NonFiniteLossError if the loss is not finite."""
+    device, world, step = worker.device, worker.world, progress.step
+    (loss_sum,) = all_reduce([window.loss.item()], device)
+    mean_loss = loss_sum / world / window.num_steps
+    if not math.isfinite(mean_loss):
+        raise NonFiniteLossError(
+            f"loss became {mean_loss} by step {step}; training stopped without saving this state. "
+            f"Lower optim.lr (now {worker.config.optim.lr}), keep optim.grad_clip on, prefer bf16 to fp16, or check the data."
+        )
+    elapsed = time.perf_counter() - window.start
+    tokens_per_s = throughput.tokens_per_step * window.num_steps / elapsed
+    metrics: dict[str, Any] = {
+        "step": step,
+        "loss": mean_loss,
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "tokens_per_s": tokens_per_s,
+        "step_time_ms": 1000 * elapsed / window.num_steps,
+        "tokens_seen": progress.tokens_seen,
+        "epoch": step * worker.config.train.grad_accum_steps / max(1, throughput.micro_per_epoch),
+    }
+    utilization = mfu(tokens_per_s / world, throughput.model_flops, throughput.peak_tflops)
+    if utilization is not None:
+        metrics["mfu"] = utilization
+    peak_mem = peak_memory_gib(device)
+    if peak_mem is not None:
+        (metrics["peak_mem_gib"],) = all_reduce(
+            [peak_mem], device, dist.ReduceOp.MAX if dist.is_initialized() else None
+        )
+    return metrics
 
 
 _METRICS: dict[str, TrainMetrics] = {}
@@ -517,7 +436,7 @@ def _report(
 ) -> None:
     """Every rank reports (ray.train.report is a barrier); rank 0 alone attaches the checkpoint."""
     if rank == 0:
-        _append_history(run_dir, {**metrics, "time": time.time()})
+        append_history(run_dir, {**metrics, "time": time.time()})
         if scalars is not None:
             scalars.record(metrics)
         _train_metrics(config.run.name).record(metrics)
