@@ -82,7 +82,7 @@ def _optional_section(annotation: Any) -> type | None:
         return None
     arms = typing.get_args(annotation)
     present = [arm for arm in arms if arm is not type(None)]
-    if len(arms) == 2 and len(present) == 1 and dataclasses.is_dataclass(present[0]):
+    if len(arms) == 2 and len(present) == 1 and isinstance(present[0], type) and dataclasses.is_dataclass(present[0]):
         return present[0]
     return None
 
@@ -103,7 +103,7 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
         path = f"{where}.{name}" if where else name
         annotation = hints[name]
         optional = _optional_section(annotation)
-        if dataclasses.is_dataclass(annotation):
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             kwargs[name] = _build(annotation, value or {}, path)
         elif optional is not None:  # a section that is off when null (e.g. model.lora); {} is its defaults
             kwargs[name] = None if value is None else _build(optional, value, path)

@@ -204,9 +204,14 @@ class CompletionGuard:
 
     def _safe_end(self) -> int:
         """Where the text that no later word can still turn into a blocked phrase ends."""
-        end = _TRAILING_WORD.search(self.text).start()
+        # Both patterns match (at worst the empty string) at the end of any text.
+        trailing = _TRAILING_WORD.search(self.text)
+        assert trailing is not None
+        end = trailing.start()
         for _ in range(self.hold_words):
-            end = _LAST_WORD.search(self.text, 0, end).start()
+            last = _LAST_WORD.search(self.text, 0, end)
+            assert last is not None
+            end = last.start()
         return end
 
 

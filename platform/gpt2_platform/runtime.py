@@ -222,6 +222,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, preload: t
         if num_cpus is not None:
             kwargs["num_cpus"] = num_cpus
     else:
+        assert address is not None  # None starts a cluster
         address, joined_kwargs = _joined_cluster_args(address)
         kwargs.update(joined_kwargs)
     context = ray.init(address=address, **kwargs)

@@ -54,10 +54,10 @@ def self_times(trace: dict) -> list[OpTime]:
     totals: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     by_thread: dict[tuple, list[dict]] = defaultdict(list)
-    for event in _complete_events(trace, ("cpu_op", "user_annotation")):
-        if event["name"].startswith(STEP_PREFIX):
+    for op in _complete_events(trace, ("cpu_op", "user_annotation")):
+        if op["name"].startswith(STEP_PREFIX):
             continue  # a step's range: its time is all of its operators'
-        by_thread[(event.get("pid"), event.get("tid"))].append(event)
+        by_thread[(op.get("pid"), op.get("tid"))].append(op)
     for events in by_thread.values():
         events.sort(key=lambda e: (e["ts"], -e["dur"]))  # a parent starts first, or with its child and longer
         stack: list[tuple[dict, float]] = []  # (event, its children's time so far)
@@ -114,7 +114,9 @@ def device_idle(trace: dict) -> DeviceIdle | None:
         if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
     }
     span = max(e["ts"] + e["dur"] for e in work) - work[0]["ts"]
-    counts = {size: [0, 0.0, 0] for size in GAP_CLASSES_US}
+    num_gaps: Counter[tuple[float, float]] = Counter()
+    idle_us = dict.fromkeys(GAP_CLASSES_US, 0.0)
+    num_launched_late: Counter[tuple[float, float]] = Counter()
     late: Counter[str] = Counter()
     busy_until = work[0]["ts"]
     for before, after in itertools.pairwise(work):
@@ -124,18 +126,21 @@ def device_idle(trace: dict) -> DeviceIdle | None:
         if gap <= 0:
             continue
         size = next(s for s in GAP_CLASSES_US if s[0] <= gap < s[1])
-        counts[size][0] += 1
-        counts[size][1] += gap
+        num_gaps[size] += 1
+        idle_us[size] += gap
         launch = launches.get(after.get("args", {}).get("correlation"))
         if launch is not None and launch["ts"] > busy_until:
-            counts[size][2] += 1
+            num_launched_late[size] += 1
             if gap >= 50:
                 late[launch["name"]] += 1
-    busy = span - sum(total for _, total, _ in counts.values())
+    busy = span - sum(idle_us.values())
     return DeviceIdle(
         span / 1e3,
         busy / 1e3,
-        [(low, high, n, total / 1e3, n_late) for (low, high), (n, total, n_late) in counts.items()],
+        [
+            (low, high, num_gaps[low, high], idle_us[low, high] / 1e3, num_launched_late[low, high])
+            for low, high in GAP_CLASSES_US
+        ],
         dict(late.most_common(6)),
     )
 

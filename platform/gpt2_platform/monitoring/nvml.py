@@ -132,6 +132,7 @@ class NvmlSampler:
     def close(self) -> None:
         with self._lock:
             if self._initialized:
+                assert self.nvml is not None  # _init succeeds only with a library
                 self._call("nvmlShutdown", self.nvml.nvmlShutdown)
                 self._initialized = False
 
@@ -142,12 +143,14 @@ class NvmlSampler:
                 reason = self._init()
                 if reason:
                     return self._unavailable(reason)
-                count = self._call("nvmlDeviceGetCount", self.nvml.nvmlDeviceGetCount)
+                nvml = self.nvml
+                assert nvml is not None  # _init succeeds only with a library
+                count = self._call("nvmlDeviceGetCount", nvml.nvmlDeviceGetCount)
                 if count is None:
                     return self._unavailable("NVML could not count the GPUs")
                 if count == 0:
                     return self._unavailable("NVML reports 0 GPUs")
-                gpus = [self._sample_gpu(i) for i in range(count)]
+                gpus = [self._sample_gpu(nvml, i) for i in range(count)]
                 return NodeSample(self.node, available=True, gpus=gpus, node_id=self.node_id)
             except Exception as error:  # a bug here must still not take the host down
                 logger.debug("GPU sampling failed on %s", self.node, exc_info=True)
@@ -156,8 +159,7 @@ class NvmlSampler:
     def _unavailable(self, reason: str) -> NodeSample:
         return NodeSample(self.node, available=False, reason=reason, node_id=self.node_id)
 
-    def _sample_gpu(self, index: int) -> GpuSample:
-        nvml = self.nvml
+    def _sample_gpu(self, nvml: Any, index: int) -> GpuSample:
         sample = GpuSample(index=index)
         handle = self._call("nvmlDeviceGetHandleByIndex", nvml.nvmlDeviceGetHandleByIndex, index)
         if handle is None:

@@ -410,10 +410,11 @@ def _check_ray_cluster_spec(cluster: dict[str, Any], field: str, source: str | P
             f"{field}.rayVersion",
             f"is {cluster.get('rayVersion')!r}; set it to {ray_version!r}, the Ray this project pins",
         )
-    groups = [("headGroupSpec", cluster.get("headGroupSpec"))]
-    groups += [(f"workerGroupSpecs[{g.get('groupName')}]", g) for g in cluster.get("workerGroupSpecs") or []]
-    if groups[0][1] is None:
+    head = cluster.get("headGroupSpec")
+    if head is None:
         raise DeployConfigError(source, f"{field}.headGroupSpec", "missing")
+    groups = [("headGroupSpec", head)]
+    groups += [(f"workerGroupSpecs[{g.get('groupName')}]", g) for g in cluster.get("workerGroupSpecs") or []]
     # KubeRay >= 1.5.1 generates a token Secret and sets RAY_AUTH_MODE/RAY_AUTH_TOKEN in every Ray container.
     operator_token = (cluster.get("authOptions") or {}).get("mode") == "token"
     for group_field, group in groups:

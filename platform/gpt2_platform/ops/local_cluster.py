@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import TypeGuard
 
 from gpt2_platform.ray_auth import (  # noqa: F401  (part of this module's interface)
     LOOPBACK_ONLY_VAR,
@@ -176,7 +177,7 @@ def read_state(state_dir: Path) -> ClusterState | None:
     return ClusterState(**json.loads(path.read_text())) if path.exists() else None
 
 
-def is_running(state: ClusterState | None) -> bool:
+def is_running(state: ClusterState | None) -> TypeGuard[ClusterState]:
     if state is None:
         return False
     try:
@@ -272,8 +273,10 @@ def _wait_until_ready(state: ClusterState, process: subprocess.Popen, token: str
         if status == 200 and BLOCKING_MESSAGE in output:  # by then session_latest is this head's session
             if failure := _agent_bind_failure(state):
                 raise RuntimeError(failure)
-            if (last := job_agent_problem(state)) is None:
+            problem = job_agent_problem(state)
+            if problem is None:
                 return
+            last = problem
         time.sleep(0.5)
     raise TimeoutError(f"the head is not ready within {timeout_s:.0f} s ({last}); see {state.log_path}")
 

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar, cast
 
 from fastapi import Request
 from pydantic import (
@@ -245,14 +245,20 @@ class CompletionRequest(_RequestBody):
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts, each a string or a list of token ids."""
-        if isinstance(self.prompt, str) or (self.prompt and all(isinstance(item, int) for item in self.prompt)):
+        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
             return [self.prompt]
-        return list(self.prompt)
+        # A list of prompts; a non-empty list of ids, which mypy cannot rule out here, was one prompt, above.
+        return list(cast("list[str] | list[list[int]]", self.prompt))
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def _is_token_ids(prompt: object) -> TypeGuard[list[int]]:
+    """Whether a completion's `prompt` is one prompt given as token ids (not a list of prompts)."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(item, int) for item in prompt)
 
 
 class GenerateRequest(_RequestBody):
