@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeGuard
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -221,7 +222,7 @@ def _adapter_from(source: str, config: dict, tensors: dict[str, torch.Tensor], w
         if value != harmless and value not in (None, False, {}, []):
             raise ValueError(f"{where}: {name}={value!r} is not supported (only plain LoRA: {name}={harmless!r})")
     alpha, r = config.get("lora_alpha"), config.get("r")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (alpha, r)):
+    if not (_is_positive_number(alpha) and _is_positive_number(r)):
         raise ValueError(f"{where}: r and lora_alpha must be numbers > 0, got r={r!r}, lora_alpha={alpha!r}")
     parts: dict[str, dict[str, torch.Tensor]] = {}
     foreign = []
@@ -250,6 +251,10 @@ def _adapter_from(source: str, config: dict, tensors: dict[str, torch.Tensor], w
         weights[module] = (pair["A"], pair["B"])
         scales[module] = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     return Adapter(source, config, weights, scales)
+
+
+def _is_positive_number(value: object) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def check_adapter(adapter: Adapter, config: GPT2Config, base: str) -> None:
@@ -291,7 +296,7 @@ def merge_adapter(model: GPT2, adapter: Adapter, base: str | None = None) -> GPT
     return model
 
 
-def save_merged(model: nn.Module, directory: str | Path, overwrite: bool = False, **kwargs: object) -> Path:
+def save_merged(model: nn.Module, directory: str | Path, overwrite: bool = False, **kwargs: Any) -> Path:
     """A LoRA-trained model with its adapters merged in, saved as a plain Hugging Face directory (the model
     itself is left as it was)."""
     import copy

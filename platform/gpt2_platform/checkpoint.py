@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -161,8 +162,9 @@ def read_hf_config(directory: Path) -> SimpleNamespace:
     return SimpleNamespace(**{**HF_GPT2_DEFAULTS, **fields})
 
 
-def config_from_hf(hf: object) -> GPT2Config:
-    """Our GPT2Config for a transformers one, or a ValueError naming the field that we cannot honour."""
+def config_from_hf(hf: Any) -> GPT2Config:
+    """Our GPT2Config for a transformers one (or `read_hf_config`'s namespace), or a ValueError naming the field
+    that we cannot honour."""
     if getattr(hf, "model_type", "gpt2") != "gpt2":
         raise ValueError(f"checkpoint is a {hf.model_type!r} model; only GPT-2 checkpoints are supported")
     for name, harmless in _REFUSED_FIELDS.items():
@@ -242,7 +244,7 @@ def save_pretrained(
     directory: str | Path,
     overwrite: bool = False,
     extra: Callable[[Path], None] | None = None,
-    **hf_extra: object,
+    **hf_extra: Any,
 ) -> Path:
     """Save a model in Hugging Face format, atomically; `extra(dir)` may add files (a tokenizer)."""
     with staged_directory(directory, overwrite=overwrite) as stage:

@@ -69,8 +69,8 @@ class PrefillView:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         if self.write_kernel:
             # (B, nh, T, hs) -> (B * T, nh, hs): a view of the projection's output, no copy.
-            tokens = [t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (k, v)]
-            kernels.write_cache(*tokens, self.cache.kv[layer], self.token_slots, self.token_positions)
+            k_tokens, v_tokens = [t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (k, v)]
+            kernels.write_cache(k_tokens, v_tokens, self.cache.kv[layer], self.token_slots, self.token_positions)
         else:
             # Index (B, 1) x (B, T) around the head dim: the target is (B, T, 2, nh, hs).
             kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=2)
@@ -138,10 +138,12 @@ class PackedPrefillView:
                 q, k, v, self.starts, self.starts, self.longest, self.longest, 0.0, True, False, scale=scale
             )[0]
         else:
+            assert self.bounds is not None  # __init__ requires them on CPU
             out = torch.zeros_like(q)
             for a, b in itertools.pairwise(self.bounds):
-                prompt = (t[a:b].transpose(0, 1) for t in (q, k, v))
-                out[a:b] = F.scaled_dot_product_attention(*prompt, is_causal=True, scale=scale).transpose(0, 1)
+                prompt_q, prompt_k, prompt_v = (t[a:b].transpose(0, 1) for t in (q, k, v))
+                prompt_out = F.scaled_dot_product_attention(prompt_q, prompt_k, prompt_v, is_causal=True, scale=scale)
+                out[a:b] = prompt_out.transpose(0, 1)
         return out.transpose(0, 1)[None]  # (1, nh, N, hs)
 
 

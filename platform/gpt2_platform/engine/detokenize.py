@@ -97,6 +97,7 @@ class IncrementalDetokenizer:
         """Append a token; return the newly completed text (may be empty mid-character)."""
         self.ids.append(token_id)
         if self._utf8 is not None:
+            assert self.table is not None  # the byte decoder is made only with a table
             # Holds back an incomplete character's bytes until the token that completes it.
             delta = self._utf8.decode(self.table.token_bytes[token_id])
             self.text += delta

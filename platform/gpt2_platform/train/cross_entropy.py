@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import TYPE_CHECKING
 
 import torch
 
 IGNORE_INDEX = -100
 _BLOCK = 4096
 
-tl = None
-"""`triton.language`, bound by `_kernels` on the first launch: the kernels' bodies look it up among this
-module's globals."""
+# `triton.language`, bound by `_kernels` on the first launch: the kernels' bodies look it up among this
+# module's globals. The type checker reads it as that module from the start.
+if TYPE_CHECKING:
+    import triton.language as tl
+else:
+    tl = None
 
 
 def available() -> bool:

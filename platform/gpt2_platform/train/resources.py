@@ -182,13 +182,14 @@ def cluster_room(scaling: ScalingConfig) -> Iterator[None]:
     if not most and not _v1_autoscaler_running():
         raise ClusterResourcesError(_never_fits(scaling, bundle, nodes))
     # An autoscaler's limits, where it publishes them, are totals per resource, as Ray Train checks them.
-    short = [name for name, amount in bundle.items() if most and amount * scaling.num_workers > most.get(name, 0.0)]
-    if short:
-        raise ClusterResourcesError(
-            f"scaling.num_workers={scaling.num_workers} workers of {_describe(bundle)} need more than the "
-            f"autoscaler may add: at most {', '.join(f'{most.get(n, 0):g} {n}' for n in short)}; "
-            f"lower scaling.num_workers or the resources per worker, or raise the cluster's max_workers"
-        )
+    if most:
+        short = [name for name, amount in bundle.items() if amount * scaling.num_workers > most.get(name, 0.0)]
+        if short:
+            raise ClusterResourcesError(
+                f"scaling.num_workers={scaling.num_workers} workers of {_describe(bundle)} need more than the "
+                f"autoscaler may add: at most {', '.join(f'{most.get(n, 0):g} {n}' for n in short)}; "
+                f"lower scaling.num_workers or the resources per worker, or raise the cluster's max_workers"
+            )
     from ray.autoscaler.sdk import request_resources
 
     request_resources(bundles=[bundle] * scaling.num_workers)

@@ -107,7 +107,7 @@ def check_resume(config: Config, run_dir: Path) -> Resume | None:
     optimizer would throw the learning rate back up toward optim.lr. Steps past that length train at
     optim.min_lr; a run that stops before the schedule's end stops above it.
     """
-    resume = choose_checkpoint(run_dir)
+    resume: Resume[None] | None = choose_checkpoint(run_dir)
     if resume is None:
         return None
     tc = config.train
@@ -287,10 +287,11 @@ def _train_and_export(config: Config, run_dir: Path, resume: Resume | None) -> T
     except ray.train.ControllerError as error:
         if not is_placement_timeout(error):
             raise
-        last = choose_checkpoint(run_dir)
+        last: Resume[None] | None = choose_checkpoint(run_dir)
         raise lost_room_error(scaling, last.directory if last is not None else None) from error
     # Ray's latest checkpoint, unless it is broken and the run resumed from an older one and stopped there.
-    final = choose_checkpoint(run_dir, Path(result.checkpoint.path) if result.checkpoint is not None else None)
+    ray_latest = Path(result.checkpoint.path) if result.checkpoint is not None else None
+    final: Resume[None] | None = choose_checkpoint(run_dir, ray_latest)
     if final is None:
         raise RuntimeError(f"training finished without a checkpoint in {run_dir}; see the worker logs above")
     if config.model.lora is not None:
