@@ -35,7 +35,7 @@ def write_prompts(
     from it per row, so that rows finish at different steps."""
     rng = random.Random(seed)
     prompts = ["".join(rng.choices(_ALPHABET, k=rng.randint(min_tokens, max_tokens))) for _ in range(num_prompts)]
-    columns = {"prompt": prompts}
+    columns: dict[str, list[str] | list[int]] = {"prompt": prompts}
     if new_tokens_range is not None:
         columns["max_tokens"] = [rng.randint(*new_tokens_range) for _ in range(num_prompts)]
     path.parent.mkdir(parents=True, exist_ok=True)

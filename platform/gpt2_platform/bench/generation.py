@@ -7,10 +7,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
+from gpt2_platform.engine.config import DecodeKernels, Dtype
 from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams, resolve_dtype
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.model import GPT2, preset
@@ -109,8 +111,8 @@ def engine_only(
     batch_sizes: list[int],
     prompt_tokens: int,
     new_tokens: int,
-    max_batch_size: int | str,
-    dtype_name: str = "auto",
+    max_batch_size: int | Literal["auto"],
+    dtype_name: Dtype = "auto",
     compile_step: bool | None = None,
     runs: int = 3,
 ) -> list[dict]:
@@ -207,11 +209,11 @@ def run(
     batch_sizes: list[int],
     prompt_tokens: int,
     new_tokens: int,
-    dtype_name: str,
+    dtype_name: Dtype,
     device: torch.device,
     compile_step: bool = False,
     runs: int = 3,
-    decode_kernels: str = "auto",
+    decode_kernels: DecodeKernels = "auto",
     engine_only: bool = False,
     logprobs: bool = False,
 ) -> dict:
@@ -226,9 +228,10 @@ def run(
     theirs = (
         {} if engine_only else {b: hf_generate(model, prompts[b], new_tokens, dtype, device, runs) for b in batch_sizes}
     )
+    max_seq_len = prompt_tokens + new_tokens
     config = EngineConfig(
         max_batch_size=max(batch_sizes),
-        max_seq_len=prompt_tokens + new_tokens,
+        max_seq_len=max_seq_len,
         dtype=dtype_name,
         compile=compile_step,
         decode_kernels=decode_kernels,
@@ -240,7 +243,7 @@ def run(
         sizes = sorted({1, *batch_sizes})
         latency = {b: decode_step_latency(engine, b, prompt_tokens) for b in sizes}
         # From the same position, in the same span bucket as the one-at-a-time steps.
-        repeats = min(200, config.max_seq_len - prompt_tokens - 12)
+        repeats = min(200, max_seq_len - prompt_tokens - 12)
         pipelined = {b: pipelined_step_latency(engine, b, prompt_tokens, repeats) for b in sizes}
         with_logprobs = (
             {b: pipelined_step_latency(engine, b, prompt_tokens, repeats, logprobs=True) for b in sizes}

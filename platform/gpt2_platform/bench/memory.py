@@ -20,11 +20,24 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
 
-SETUPS = {
+
+class Setup(TypedDict, total=False):
+    """What a memory-saving setup turns on; a key left out is off."""
+
+    checkpointing: bool
+    fsdp: bool
+    offload: bool
+    """FSDP's CPU offload (parallelize's `cpu_offload`)."""
+    optim: dict[str, Any]
+    """OptimConfig's fields, by name."""
+
+
+SETUPS: dict[str, Setup] = {
     "ddp": {},
     "ddp + checkpointing": {"checkpointing": True},
     "fsdp": {"fsdp": True},
@@ -203,6 +216,12 @@ def smallest_cap(script: Path, preset_name: str, setup: str, caps: list[float], 
     return runs
 
 
+def _cap(run: Run) -> float:
+    if run.cap_gib is None:
+        raise ValueError(f"{run.preset}, {run.setup}: the table takes runs held to a memory cap; this one had none")
+    return run.cap_gib
+
+
 def as_markdown(runs: list[Run], caps: list[float]) -> str:
     """One row per (model, setup): the smallest cap it trained under, its peaks and speed there."""
     lines = [
@@ -216,7 +235,7 @@ def as_markdown(runs: list[Run], caps: list[float]) -> str:
     for preset_name, setup in keys:
         mine = [r for r in runs if (r.preset, r.setup) == (preset_name, setup)]
         fitted = [r for r in mine if r.fits]
-        smallest = min((r.cap_gib for r in fitted), default=None)
+        smallest = min((_cap(r) for r in fitted), default=None)
         cells = []
         for cap in sorted(caps, reverse=True):
             tried = [r for r in mine if r.cap_gib == cap]
@@ -226,7 +245,7 @@ def as_markdown(runs: list[Run], caps: list[float]) -> str:
                 cells.append("no (OOM)" if not tried[0].fits else "yes")
             else:
                 cells.append("?")
-        best = min(fitted, key=lambda r: r.cap_gib) if fitted else None
+        best = min(fitted, key=_cap) if fitted else None
         figures = (
             f"{best.peak_allocated_gib:.1f} | {best.peak_reserved_gib:.1f} | {best.tokens_per_s:,.0f} | {best.step_s:.2f}"
             if best

@@ -281,7 +281,7 @@ def write_report(
     inference_markdown = generation.as_markdown(inference) if inference else None
     profile_text = format_profile(profile) if profile else None
     paths = {"json": out_dir / "report.json", "markdown": out_dir / "report.md"}
-    document = {"environment": env, "rows": rows, "inference": inference, "profile": profile}
+    document: dict[str, object] = {"environment": env, "rows": rows, "inference": inference, "profile": profile}
     if env.get("device_type") != "cuda":
         document["note"] = CPU_NOTE
     paths["json"].write_text(json.dumps(document, indent=2, default=str))

@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from torch import nn
 from gpt2_platform.bench.plain_gpt2 import PlainStep
 from gpt2_platform.model import GPT2, flops_per_token, preset
 from gpt2_platform.traces import STEP_PREFIX
-from gpt2_platform.train.config import OptimConfig
+from gpt2_platform.train.config import LossImpl, OptimConfig
 from gpt2_platform.train.loss import LMLoss
 from gpt2_platform.train.parallelize import parallelize
 from gpt2_platform.train.step import TrainStep, build_optimizer, lr_at, resolve_precision
@@ -37,7 +38,7 @@ class Variant:
     precision: str
     compile_mode: str = "off"
     gradient_checkpointing: bool = False
-    loss: str | None = None
+    loss: LossImpl | None = None
     """ours: train/loss.py's implementation (logits or fused); None = the model's own logits and loss."""
     vocab_multiple: int = 1
     batch_size: int | None = None
@@ -49,8 +50,13 @@ class Variant:
     as an option, not a training setting."""
 
 
-_PADDED = {"loss": "logits", "vocab_multiple": 128}
-_FUSED = {"loss": "fused", "vocab_multiple": 128}
+class _LossSettings(TypedDict):
+    loss: LossImpl
+    vocab_multiple: int
+
+
+_PADDED: _LossSettings = {"loss": "logits", "vocab_multiple": 128}
+_FUSED: _LossSettings = {"loss": "fused", "vocab_multiple": 128}
 
 # The ladder of issue 2: the newcomer's baseline, then one change at a time.
 DEFAULT_VARIANTS = [
