@@ -110,10 +110,11 @@ def check_input(files: list[InputFile], config: GenerateConfig) -> None:
     }
     for file in files:
         schema = pq.read_schema(file.path)
-        for name in columns.columns():
-            if name not in schema.names:
+        for column_name in columns.columns():
+            if column_name not in schema.names:
                 raise InputError(
-                    f"{file.path} has no column {name!r} (columns: {', '.join(schema.names)}); set {roles[name]}"
+                    f"{file.path} has no column {column_name!r} (columns: {', '.join(schema.names)}); "
+                    f"set {roles[column_name]}"
                 )
         for name in (columns.prompt_column, columns.continuation_column):
             text_type = schema.field(name).type if name else pa.string()

@@ -243,6 +243,7 @@ def _check_rows(path: Path, rows: list[Row], task: Task) -> None:
         )
     seen: dict[str, int] = {}
     for row in with_id:
+        assert row.row_id is not None
         if row.row_id in seen:
             raise PromptsError(
                 f"{path}:{row.line}: id {row.row_id!r} is already line {seen[row.row_id]}'s; ids must be unique: "

@@ -231,8 +231,10 @@ def commit_staged(directory: Path, done: set[str], columns: Sequence[str] = OUTP
             ids = table.column("id").to_pylist()
             fresh = [i for i, row_id in enumerate(ids) if row_id not in done]
             # A row may be unique in the file and also a duplicate of an earlier one in it (never expected).
-            seen: set[str] = set()
-            fresh = [i for i in fresh if not (ids[i] in seen or seen.add(ids[i]))]
+            first_of: dict[str, int] = {}
+            for i in fresh:
+                first_of.setdefault(ids[i], i)
+            fresh = list(first_of.values())
             target = directory / f"{PART_PREFIX}{run_dir.name}-{path.name}"
             if not fresh:
                 path.unlink()

@@ -126,9 +126,11 @@ def resolve_values(
         values.max_tokens = None  # until the row's own value proves valid
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, Real) or not float(max_tokens).is_integer():
             return values, RowError("bad_max_tokens", f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        if int(max_tokens) < 1:
+        # typeshed's numbers.Real lacks __int__ (its stubs say they are incomplete); int() of a Real works
+        row_max_tokens = int(max_tokens)  # type: ignore[call-overload]
+        if row_max_tokens < 1:
             return values, RowError("bad_max_tokens", f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        values.max_tokens = int(max_tokens)
+        values.max_tokens = row_max_tokens
     if temperature is not None:
         values.temperature = None
         if isinstance(temperature, bool) or not isinstance(temperature, Real) or not math.isfinite(temperature):
@@ -140,7 +142,7 @@ def resolve_values(
         values.temperature = float(temperature)
     if seed is None:
         values.seed = derive_seed(defaults.seed, row_id)
-    elif isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed <= MAX_SEED:
+    elif isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= int(seed) <= MAX_SEED:
         return values, RowError("bad_seed", f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
     else:
         values.seed = int(seed)

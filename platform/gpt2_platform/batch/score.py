@@ -95,9 +95,10 @@ def build_score_request(
     return ScoreRequest(ids, num_scored)
 
 
-def log_likelihood(prompt_logprobs: list, num_scored: int) -> float:
-    """The sum of the last `num_scored` tokens' log-probabilities (nats) from a completion's prompt_logprobs."""
-    assert 0 < num_scored < len(prompt_logprobs) and prompt_logprobs[0] is None
+def log_likelihood(prompt_logprobs: list | None, num_scored: int) -> float:
+    """The sum of the last `num_scored` tokens' log-probabilities (nats) from a completion's prompt_logprobs
+    (which SCORE_PARAMS asks for)."""
+    assert prompt_logprobs is not None and 0 < num_scored < len(prompt_logprobs) and prompt_logprobs[0] is None
     return math.fsum(entry[0] for entry in prompt_logprobs[-num_scored:])
 
 
@@ -145,15 +146,15 @@ def score_rows(worker, batch: pa.Table, ids: list[str]) -> pa.Table:
         texts, text_ids, continuations, continuation_ids, strict=True
     ):
         try:
-            request = build_score_request(
+            row_request = build_score_request(
                 text, ids_of_text, continuation, ids_of_continuation, with_continuation, worker.max_seq_len
             )
-            worker.engine.validate(request.token_ids, SCORE_PARAMS)
-            requests.append(request)
+            worker.engine.validate(row_request.token_ids, SCORE_PARAMS)
+            requests.append(row_request)
             errors.append(None)
-        except RowError as error:
+        except RowError as refused:
             requests.append(None)
-            errors.append(str(error))
+            errors.append(str(refused))
         except ValueError as invalid:  # what the engine refuses (e.g. a token outside the vocabulary)
             requests.append(None)
             errors.append(str(RowError("invalid_request", str(invalid))))
@@ -166,16 +167,19 @@ def score_rows(worker, batch: pa.Table, ids: list[str]) -> pa.Table:
         completion = next(completions) if request is not None else None
         if completion is not None and completion.error:
             error = f"scoring_failed: {completion.error}"
-        ok = completion is not None and error is None
-        total = log_likelihood(completion.prompt_logprobs, request.num_scored) if ok else None
+        total: float | None = None  # set where the row was scored
+        num_scored = 0
+        if request is not None and completion is not None and error is None:
+            num_scored = request.num_scored
+            total = log_likelihood(completion.prompt_logprobs, num_scored)
         rows["id"].append(row_id)
         rows["text"].append(text)
         if with_continuation:
             rows[CONTINUATION_COLUMN].append(continuation)
         rows["log_likelihood"].append(total)
-        rows["scored_tokens"].append(request.num_scored if ok else 0)
-        rows["perplexity"].append(perplexity(total, request.num_scored) if ok else None)
-        rows["prompt_tokens"].append(len(request.token_ids) if request else None)
+        rows["scored_tokens"].append(num_scored)
+        rows["perplexity"].append(None if total is None else perplexity(total, num_scored))
+        rows["prompt_tokens"].append(None if request is None else len(request.token_ids))
         rows["error"].append(error)
         rows["model"].append(spec.model)
         rows["model_sha256"].append(spec.model_sha256)

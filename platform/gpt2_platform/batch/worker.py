@@ -243,6 +243,7 @@ class EngineWorker:
 
         if self._stop_reporting.wait(profile.after_s):
             return  # the job ended first
+        assert profile.trace_dir is not None  # the thread starts only with one
         path = Path(profile.trace_dir) / f"engine-{socket.gethostname()}-{os.getpid()}.pt.trace.json"
         try:
             traces.record_window(path, profile.seconds)
@@ -317,22 +318,22 @@ class GenerateBatch(EngineWorker):
         for row_id, prompt, prompt_ids, (max_tokens, temperature, seed) in zip(
             ids, prompts, tokenized, per_row, strict=True
         ):
-            row_values, error = resolve_values(row_id, max_tokens, temperature, seed, spec.generation)
+            row_values, row_error = resolve_values(row_id, max_tokens, temperature, seed, spec.generation)
             request = None
-            if error is None:
+            if row_error is None:
                 try:
                     request = build_request(prompt, prompt_ids, row_values, spec.generation, self.max_seq_len)
                     self.engine.validate(request.prompt_ids, request.params)
                     verdict = spec.moderator.check_prompt(prompt) if spec.moderator is not None else None
                     if verdict is not None:
                         raise blocked_by_moderation(verdict)
-                except RowError as row_error:
-                    error, request = row_error, None
+                except RowError as refused:
+                    row_error, request = refused, None
                 except ValueError as invalid:  # what the engine refuses (e.g. a token outside the vocabulary)
-                    error, request = RowError("invalid_request", str(invalid)), None
+                    row_error, request = RowError("invalid_request", str(invalid)), None
             values.append(row_values)
             requests.append(request)
-            errors.append(None if error is None else str(error))
+            errors.append(None if row_error is None else str(row_error))
 
         valid = [r for r in requests if r is not None]
         completions = iter(self.engine.generate([r.prompt_ids for r in valid], [r.params for r in valid]))
@@ -345,13 +346,12 @@ class GenerateBatch(EngineWorker):
             elif completion is not None and spec.moderator is not None:
                 verdict = spec.moderator.check_completion(completion.text)
                 error = None if verdict is None else str(blocked_by_moderation(verdict))  # the text is withheld
-            ok = completion is not None and error is None
-            generated = completion is not None and not completion.error
+            shown = completion if error is None else None  # an error row shows no completion
             rows["id"].append(row_id)
             rows["prompt"].append(prompt)
-            rows["completion"].append(completion.text if ok else None)
+            rows["completion"].append(shown.text if shown is not None else None)
             rows["prompt_tokens"].append(len(request.prompt_ids) if request else None)
-            rows["completion_tokens"].append(completion.completion_tokens if generated else 0)
+            rows["completion_tokens"].append(completion.completion_tokens if completion and not completion.error else 0)
             rows["finish_reason"].append(finish_reason(completion.finish_reason if completion else None, error))
             rows["error"].append(error)
             rows["model"].append(spec.model)
@@ -362,5 +362,6 @@ class GenerateBatch(EngineWorker):
             rows["truncated_tokens"].append(request.truncated_tokens if request else 0)
             rows["run_id"].append(spec.run_id)
             if spec.generation.logprobs:
-                rows[LOGPROBS_COLUMN].append([lp for lp, _ in completion.logprobs] if ok else None)
+                sampled = shown.logprobs if shown is not None else None  # a list wherever the request asked
+                rows[LOGPROBS_COLUMN].append([lp for lp, _ in sampled] if sampled is not None else None)
         return pa.table(rows, schema=schema)
