@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from typing import Literal
 
 import aiohttp
 import httpx
@@ -333,7 +334,7 @@ def engine_baseline(
     concurrency_levels: list[int],
     prompt_tokens: int,
     max_tokens: int,
-    max_batch_size: int | str,
+    max_batch_size: int | Literal["auto"],
     compile_step: bool | None,
     temperature: float,
 ) -> dict:
