@@ -6,6 +6,8 @@
         "ddp + offload optimizer and gradients + checkpointing"             # the recipes' setups
     python jobs/bench_memory.py --presets gpt2 --parity-steps 300 --parity-text tinyshakespeare.txt \
         --batch-size 8 --setups "ddp + adamw8bit + checkpointing" "ddp + adamw_bf16 + checkpointing"
+    python jobs/bench_memory.py --presets gpt2-xl --caps 24 --compile --setups "ddp + lora r16" \
+        --profile profiles/                                                   # LoRA, with a trace per run
 
 Every (preset, setup) trains a few steps in a child process held to a memory cap with
 `torch.cuda.set_per_process_memory_fraction`, trying the smallest cap first; the table gives the caps it
@@ -46,12 +48,16 @@ def main() -> int:
     parser.add_argument("--parity-steps", type=int, default=0, help="compare loss curves over this many steps")
     parser.add_argument("--parity-text", type=Path, help="the text file for --parity-steps (bytes as tokens)")
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument(
+        "--profile", type=Path, help="also profile two steps of each run into this directory (jobs/trace_summary.py)"
+    )
     parser.add_argument("--one", nargs=2, metavar=("PRESET", "SETUP"), help=argparse.SUPPRESS)
     parser.add_argument("--cap-gib", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     compile_mode = "default" if args.compile else "off"
     shape = ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
     shape += ["--compile"] if args.compile else []
+    shape += ["--profile", str(args.profile.resolve())] if args.profile else []
     if args.parity_steps and args.parity_text is None:
         parser.error("--parity-steps needs --parity-text")
     if args.one and args.parity_steps:  # the child: one loss curve, as a JSON line
@@ -59,7 +65,9 @@ def main() -> int:
         print(json.dumps({"losses": memory.loss_curve(*args.one, batches, compile_mode)}))
         return 0
     if args.one:  # the child: one run, its result as a JSON line
-        run = memory.run_one(*args.one, args.cap_gib, args.batch_size, args.seq_len, args.steps, compile_mode)
+        run = memory.run_one(
+            *args.one, args.cap_gib, args.batch_size, args.seq_len, args.steps, compile_mode, args.profile
+        )
         print(json.dumps(memory.to_json([run])[0]))
         return 0
     configure_logging()

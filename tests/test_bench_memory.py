@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gpt2_platform import traces
 from gpt2_platform.bench import memory
 
 
@@ -15,3 +22,25 @@ def test_each_new_setup_is_a_row_and_parity_compares_final_losses_with_the_refer
     assert rows[2].startswith("| ddp | 3.0000 | +0.00% | yes |")
     assert rows[3] == "| near | 3.0200 | +0.67% | yes |"
     assert rows[4] == "| far | 3.1000 | +3.33% | no |"
+
+
+def test_a_lora_setup_trains_only_the_adapters_and_a_profiled_step_leaves_a_trace_the_summary_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(memory._free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model, step = memory.build_setup("tiny", "ddp + lora r16 + checkpointing", torch.device("cpu"))
+        trainable = [name for name, param in model.named_parameters() if param.requires_grad]
+        assert trainable and all("lora_" in name for name in trainable), trainable
+        frozen = {name: param.detach().clone() for name, param in model.named_parameters() if not param.requires_grad}
+        tokens = torch.randint(0, model.config.vocab_size, (2, 33))
+        path = memory.profile_steps(step, [(tokens[:, :-1], tokens[:, 1:])], tmp_path / "tiny-lora")
+    finally:
+        dist.destroy_process_group()
+    for name, param in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(param, frozen[name]), f"{name} is frozen but changed"
+    assert path.name == "tiny-lora.pt.trace.json"
+    assert "aten::" in traces.summary(tmp_path, top=5)  # the operators its steps ran

@@ -35,6 +35,8 @@ class Setup(TypedDict, total=False):
     """FSDP's CPU offload (parallelize's `cpu_offload`)."""
     optim: dict[str, Any]
     """OptimConfig's fields, by name."""
+    lora: dict[str, Any]
+    """LoraConfig's fields, by name: adapters trained over a frozen base (lora.py)."""
 
 
 SETUPS: dict[str, Setup] = {
@@ -57,6 +59,8 @@ SETUPS: dict[str, Setup] = {
         "checkpointing": True,
         "optim": {"name": "adamw_bf16", "offload": "optimizer"},
     },
+    "ddp + lora r16": {"lora": {"r": 16}},
+    "ddp + lora r16 + checkpointing": {"checkpointing": True, "lora": {"r": 16}},
 }
 REFERENCE_SETUP = "ddp"
 """The loss curves' reference: bf16 autocast over fp32 weights, torch's fp32 AdamW."""
@@ -77,6 +81,7 @@ class Run:
 
 def build_setup(preset_name: str, setup: str, device: torch.device, compile_mode: str = "off"):
     """The setup's model (seed 0), wrapped and stepped as a Ray Train worker would: a TrainStep."""
+    from gpt2_platform.lora import LoraConfig, apply_lora
     from gpt2_platform.model import GPT2, preset
     from gpt2_platform.train.config import OptimConfig
     from gpt2_platform.train.loss import LMLoss
@@ -89,6 +94,8 @@ def build_setup(preset_name: str, setup: str, device: torch.device, compile_mode
     torch.manual_seed(0)
     with device:  # built on the GPU: initialising 1.5B parameters on the CPU takes longer than the run
         model = GPT2(preset(preset_name))
+    if "lora" in options:  # as train/loading.py does: before the dtype, checkpointing, compile and DDP
+        apply_lora(model, LoraConfig(**options["lora"]))
     model.to(weights_dtype(optim))
     precision = resolve_precision(precision_for(optim, "bf16"), device)
     train_model = parallelize(
@@ -105,9 +112,19 @@ def build_setup(preset_name: str, setup: str, device: torch.device, compile_mode
 
 
 def run_one(
-    preset_name: str, setup: str, cap_gib: float | None, batch_size: int, seq_len: int, steps: int, compile_mode: str
+    preset_name: str,
+    setup: str,
+    cap_gib: float | None,
+    batch_size: int,
+    seq_len: int,
+    steps: int,
+    compile_mode: str,
+    profile_dir: Path | None = None,
 ) -> Run:
-    """In this process: train `steps` steps (after one untimed) under the cap; the peaks and the speed."""
+    """In this process: train `steps` steps (after one untimed) under the cap; the peaks and the speed.
+
+    With `profile_dir`, two more steps after the timed ones are profiled into a trace there (jobs/trace_summary.py
+    reads it): where a setup's step time goes, kernel by kernel, is what says how to make it faster."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     if cap_gib is not None:
@@ -125,6 +142,8 @@ def run_one(
             loss, _ = step(batch, lr=1e-4)
         loss.item()
         elapsed = time.perf_counter() - start
+        if profile_dir is not None:
+            profile_steps(step, batch, profile_dir / f"{preset_name}-{slug(setup)}-{cap_gib or 'nocap'}")
         return Run(
             preset_name,
             setup,
@@ -139,6 +158,26 @@ def run_one(
         return Run(preset_name, setup, cap_gib, fits=False, error=str(error).splitlines()[0][:160])
     finally:
         dist.destroy_process_group()
+
+
+def slug(setup: str) -> str:
+    """A setup's name as a file name: "ddp + lora r16" -> "ddp_lora_r16"."""
+    return "_".join(part for part in setup.replace("+", " ").split())
+
+
+def profile_steps(step: Any, batch: list[tuple[torch.Tensor, torch.Tensor]], name: Path, steps: int = 2) -> Path:
+    """`steps` training steps under torch's profiler (CPU and CUDA), written as `name`.pt.trace.json."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    name.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities) as profiler:
+        for _ in range(steps):
+            loss, _ = step(batch, lr=1e-4)
+        loss.item()
+    path = name.with_name(name.name + ".pt.trace.json")
+    profiler.export_chrome_trace(str(path))
+    return path
 
 
 def loss_curve(preset_name: str, setup: str, batches: list[torch.Tensor], compile_mode: str) -> list[float]:
