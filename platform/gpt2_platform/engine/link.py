@@ -145,7 +145,8 @@ class Outlet:
         on_submit: Callable[[Outlet, SubmitRequest], None] | None = None,
     ) -> None:
         self.address = address
-        self.conn = Client(tuple(address), family="AF_INET", authkey=authkey)
+        host, port = address  # Client takes only a tuple, whatever sequence the caller passed
+        self.conn = Client((host, port), family="AF_INET", authkey=authkey)
         # Small messages, one per step: Nagle's delay would hold each for the previous one's ACK.
         _no_delay(self.conn)
         self.on_cancel, self.on_submit = on_cancel, on_submit
@@ -213,8 +214,9 @@ class Outlet:
                 message = self.conn.recv()
                 if type(message) is SubmitRequest and self.on_submit is not None:
                     self.on_submit(self, message)
-                elif type(message) is Cancel and self.engine_ids.get(message.key) is not None:
-                    self.on_cancel(self.engine_ids.pop(message.key))
+                elif type(message) is Cancel and (engine_id := self.engine_ids.get(message.key)) is not None:
+                    del self.engine_ids[message.key]
+                    self.on_cancel(engine_id)
         except (EOFError, OSError):
             pass
         except Exception:

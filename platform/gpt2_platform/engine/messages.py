@@ -165,6 +165,6 @@ class StepOutput(NamedTuple):
                 for offset in range(len(tokens) - start):
                     token_logprob = token_logprobs[offset] if offset < len(token_logprobs) else None
                     logprobs[start + offset] = (token_logprob, event.prompt_logprobs if offset == 0 else None)
-            if event.finished:
+            if event.finish_reason is not None:  # event.finished, in a form the type checker narrows
                 finished[len(tokens) - 1] = (event.finish_reason, event.error, event.completion_tokens)
         return cls(keys, tokens, finished or None, logprobs or None)

@@ -254,10 +254,10 @@ class EngineProcess:
         self.validate(prompt_ids, params)
         # The seed is fixed here, so events can report it.
         params = dataclasses.replace(params, sampling=params.sampling.resolved())
+        seed = params.sampling.seed
+        assert seed is not None  # resolved() just fixed it
         request_id = next(self._ids)
-        pending = _Pending(
-            on_event, len(prompt_ids), params.sampling.seed, params.logprobs is not None, output_kind == FINAL_ONLY
-        )
+        pending = _Pending(on_event, len(prompt_ids), seed, params.logprobs is not None, output_kind == FINAL_ONLY)
         with self._lock:
             self._pending[request_id] = pending  # before sending: its first event may come back at once
         try:
@@ -272,7 +272,8 @@ class EngineProcess:
     def connect(self, address: Address, authkey: bytes) -> None:
         """Have the child open a token link to the ingress at `address` (if it has none), for the ingress
         to send it sequences directly (engine/link.py)."""
-        self._send(Connect(tuple(address), authkey))
+        host, port = address  # a tuple, whatever sequence the caller passed
+        self._send(Connect((host, port), authkey))
 
     def cancel(self, request_id: int) -> None:
         """Stop a request; its slot is free after the child's current step.
@@ -360,12 +361,16 @@ class EngineProcess:
                 if logprobs is not None and row in logprobs:
                     token_logprob, prompt_logprobs = logprobs[row]
                     if token_logprob is not None:
+                        assert event.logprobs is not None  # set above: only a request that asked gets them
                         event.logprobs.append(token_logprob)
                     if prompt_logprobs is not None:
                         event.prompt_logprobs = prompt_logprobs
                 end = finished.get(row) if finished is not None else None
                 if end is not None:
-                    event.finish_reason, event.error, event.completion_tokens = end
+                    event.finish_reason, event.error, completion_tokens = end
+                    # The pipe always counts them: only a token link leaves the count to its receiver.
+                    assert completion_tokens is not None
+                    event.completion_tokens = completion_tokens
                     event.prompt_tokens = pending.prompt_tokens
                     del self._pending[request_id]
                 elif pending.final_only:

@@ -17,7 +17,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from gpt2_platform import gc_pauses
 from gpt2_platform.engine.link import Address, Outlet
@@ -77,11 +77,12 @@ class _Outlets:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._by_address: dict[tuple, Outlet] = {}
+        self._by_address: dict[Address, Outlet] = {}
         self._lock = threading.Lock()
 
     def get(self, address: Address, authkey: bytes) -> Outlet:
-        address = tuple(address)
+        host, port = address  # a tuple, to key the dict, whatever sequence the caller passed
+        address = (host, port)
         with self._lock:
             outlet = self._by_address.get(address)
             if outlet is None or outlet.closed:
@@ -149,10 +150,12 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
         (The tokens of sequences that came with a token link went to their ingress, engine/link.py.)"""
         if not batch:
             return
-        for tag, event in batch:
+        # Every sequence the parent sends is submitted with a _RequestTag as its on_event (_submit).
+        tagged = cast("list[tuple[_RequestTag, Event]]", batch)
+        for tag, event in tagged:
             if event.finished:
                 finished.append(tag.request_id)
-        send(StepOutput.of_events([(tag.request_id, event) for tag, event in batch]).wire())
+        send(StepOutput.of_events([(tag.request_id, event) for tag, event in tagged]).wire())
 
     try:
         engine = _build_engine(conn, spec, age, deliver)

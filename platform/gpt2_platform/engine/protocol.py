@@ -16,8 +16,8 @@ from gpt2_platform.engine.requests import Deliver, Event, GenerationParams
 
 @runtime_checkable
 class GenerationEngine(Protocol):
-    max_seq_len: int | None
-    """Prompt plus generated tokens per sequence (known once the engine is built)."""
+    max_seq_len: int
+    """Prompt plus generated tokens per sequence."""
 
     def check_health(self) -> None:
         """Raise EngineDeadError when the engine cannot take requests."""
