@@ -238,10 +238,12 @@ def gpt2_deployment(
     engine_options = builder.engine_options(args, engine_options)
     # Read the blocklist and import the callable here, once: a mistake stops `serve run` before any replica starts.
     moderator = build_moderator(args.moderation)
-    engine = GPT2Engine.options(**engine_options).bind(
+    # `@serve.deployment` made both classes Deployments; mypy reads a class decorator as leaving the class as
+    # it was (python/mypy#3135), so it does not see `.options`
+    engine = GPT2Engine.options(**engine_options).bind(  # type: ignore[attr-defined]
         args.model, args.tokenizer or args.model, args.engine, args.model_name, args.gpu_monitor
     )
-    return GPT2Server.options(**options).bind(args, moderator, engine)
+    return GPT2Server.options(**options).bind(args, moderator, engine)  # type: ignore[attr-defined]
 
 
 def build_app(args: schemas.AppArgs) -> Application:

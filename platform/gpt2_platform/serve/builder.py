@@ -29,15 +29,18 @@ def default_max_ongoing_requests(args: schemas.AppArgs) -> int:
 def resolve_args(args: schemas.AppArgs | dict[str, Any], options: dict[str, Any]) -> schemas.AppArgs:
     """The app's args, checked and with local paths made absolute; `options` are the ingress's Serve options
     (their runtime_env may hold the API key)."""
-    if not isinstance(args, schemas.AppArgs):
-        args = schemas.AppArgs.model_validate(args)
-    _check_api_key_env(args, options)
-    tokenizer = None if args.tokenizer is None else _local_path(args.tokenizer, "tokenizer")
+    app_args: schemas.AppArgs = args if isinstance(args, schemas.AppArgs) else schemas.AppArgs.model_validate(args)
+    _check_api_key_env(app_args, options)
+    tokenizer = None if app_args.tokenizer is None else _local_path(app_args.tokenizer, "tokenizer")
     # The served name defaults to the model as the user wrote it, not to the resolved path.
-    update = {"model": _local_path(args.model, "model"), "tokenizer": tokenizer, "served_model_name": args.model_name}
-    args = args.model_copy(update=update)
-    _check_checkpoint(args.model)
-    return args
+    update = {
+        "model": _local_path(app_args.model, "model"),
+        "tokenizer": tokenizer,
+        "served_model_name": app_args.model_name,
+    }
+    app_args = app_args.model_copy(update=update)
+    _check_checkpoint(app_args.model)
+    return app_args
 
 
 def ingress_options(args: schemas.AppArgs, options: dict[str, Any]) -> dict[str, Any]:

@@ -386,6 +386,7 @@ class CompletionServing:
                         seed = end.seed if finish_reason and end is not None else None
                         body = None
                         if logprobs is not None:
+                            assert prompt is not None  # with logprobs, create_completion shows every prompt
                             start = offsets.get(update.index, 0 if prompt.echoed else len(prompt.text))
                             tokens = [] if finish_reason == CONTENT_FILTER else update.logprobs or []
                             body = self._logprobs_body(echo, tokens, update.prompt_logprobs, start)

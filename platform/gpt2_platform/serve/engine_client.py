@@ -111,8 +111,9 @@ class RemoteEngine:
         except RuntimeError:  # no loop running here: the first submit starts it
             pass
 
-    def _start_connecting(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Ask Serve to connect engines to this replica from now on (once), on `loop`.
+    def _start_connecting(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
+        """Ask Serve to connect engines to this replica from now on (once), on `loop`; returns the loop this
+        replica's sequences run on (the first one given).
 
         Started when the replica is built, so its first requests find a link: a sequence sent before any
         link is up goes as a Serve call, which costs the engine's replica milliseconds of host time.
@@ -120,6 +121,7 @@ class RemoteEngine:
         self._loop = self._loop or loop
         if self._connecting is None:
             self._connecting = self._loop.create_task(self._keep_connecting())
+        return self._loop
 
     # ---- the engine interface ----------------------------------------------------------------
     def check_health(self) -> None:
@@ -150,10 +152,11 @@ class RemoteEngine:
         number and the rest with 0. The engine refuses the request at its first sequence unless it
         is idle or has room for all of them; the rest are never refused, so a request runs whole or
         not at all, and one larger than the whole bound still runs on an idle engine."""
-        self._start_connecting(asyncio.get_running_loop())
+        loop = self._start_connecting(asyncio.get_running_loop())
         self.check_health()
         # The seed is fixed here, so the response can report it before the engine's last word.
         sampling = params.sampling.resolved()
+        assert sampling.seed is not None  # resolved() just fixed it
         self.validate(prompt_ids, params)
         key = next(self._ids)
         output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
@@ -173,7 +176,7 @@ class RemoteEngine:
         # No link yet: through Serve, the tokens to this replica's link all the same.
         target = LinkTarget(self.inlet.address, self.inlet.authkey, key)
         sequence.response = self.handle.generate.remote(request._replace(link=target))
-        self._loop.create_task(self._watch(key, sequence))
+        loop.create_task(self._watch(key, sequence))
         return key
 
     def _least_loaded_link(self) -> Link | None:
@@ -209,7 +212,9 @@ class RemoteEngine:
     # ---- tokens in ---------------------------------------------------------------------------
     def _from_link(self, link: Link, output: StepOutput) -> None:
         """On the link's reader thread: hop to the event loop once per message (one per engine step)."""
-        self._loop.call_soon_threadsafe(self._take, link, output)
+        loop = self._loop
+        assert loop is not None  # a message carries tokens of sequences submitted here, and submit set the loop
+        loop.call_soon_threadsafe(self._take, link, output)
 
     def _take(self, link: Link, output: StepOutput) -> None:
         """The one loop over a step's output: tokens into text (stop strings too), events to their consumers."""
@@ -224,10 +229,12 @@ class RemoteEngine:
             reason, error, _ = finished.get(row, _GOING_ON)
             if logprobs is not None and row in logprobs:  # a sequence that asked for them
                 token_logprob, prompt_logprobs = logprobs[row]
+                stream = sequence.logprobs
+                assert stream is not None  # only a sequence that asked gets them, and submit gave it one
                 if token_logprob is not None:
-                    sequence.logprobs.tokens.append(token_logprob)
+                    stream.tokens.append(token_logprob)
                 if prompt_logprobs is not None:
-                    sequence.logprobs.prompt = prompt_logprobs
+                    stream.prompt = prompt_logprobs
             if sequence.link is None:
                 sequence.link = link
                 link.keys.add(key)
@@ -314,7 +321,7 @@ class RemoteEngine:
         elif result.get("error") and result.get("finish_reason") in (None, "error"):
             self._end(key, sequence, "error", result["error"])
         else:  # it ended; its last tokens may still be on their way over the link
-            self._loop.call_later(_LINK_GRACE_S, self._expire, key, sequence)
+            asyncio.get_running_loop().call_later(_LINK_GRACE_S, self._expire, key, sequence)
 
     def _expire(self, key: int, sequence: _Remote) -> None:
         if self._sequences.get(key) is sequence:
@@ -335,9 +342,8 @@ class RemoteEngine:
     def _fail_link(self, link: Link) -> None:
         if link in self._links:
             self._links.remove(link)
-        failed = [(key, self._sequences.get(key)) for key in list(link.keys)]
-        failed = [(key, sequence) for key, sequence in failed if sequence is not None]
-        failed = [(key, sequence) for key, sequence in failed if not self._send_again(key, sequence)]
+        lost = [(key, sequence) for key in list(link.keys) if (sequence := self._sequences.get(key)) is not None]
+        failed = [(key, sequence) for key, sequence in lost if not self._send_again(key, sequence)]
         if failed and not self._links:  # with another engine still linked, new requests go there
             self._engine_failed("its process exited")
         for key, sequence in failed:

@@ -56,7 +56,8 @@ class GPT2Engine:
         # start() warms every batch and span shape (and captures the CUDA graphs) before it returns, so
         # the replica reports healthy only once it serves at full speed.
         self.engine = EngineProcess(model, tokenizer, config, on_exit=self._engine_exited).start()
-        self.max_seq_len = self.engine.max_seq_len
+        assert self.engine.max_seq_len is not None  # start() returns once the engine reported it
+        self.max_seq_len: int = self.engine.max_seq_len
         self._loop: asyncio.AbstractEventLoop | None = None
         exporter.start_if_wanted(gpu_monitor)  # idempotent: the first replica on a node starts them
         self.metrics = ServeMetrics(model_name)
