@@ -9,7 +9,7 @@ import queue
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +87,7 @@ def micro_batches(
         blocks.close()  # a reader thread stops with it
 
 
-def _read_ahead(items: Iterator[Any], depth: int) -> Iterator[Any]:
+def _read_ahead(items: Iterator[Any], depth: int) -> Generator[Any, None, None]:
     """`items`, drawn by a thread up to `depth` ahead of the consumer; what the thread raises is raised here."""
     ahead: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -120,7 +120,9 @@ def _read_ahead(items: Iterator[Any], depth: int) -> Iterator[Any]:
         stop.set()
 
 
-def _tokens(shard: Any, batch_size: int, seed: int, skip: int, micro_per_epoch: int) -> Iterator[torch.Tensor]:
+def _tokens(
+    shard: Any, batch_size: int, seed: int, skip: int, micro_per_epoch: int
+) -> Generator[torch.Tensor, None, None]:
     """The shard's (B, T + 1) token blocks, epoch after epoch, each epoch shuffled by its own seed."""
     epoch, skip = divmod(skip, micro_per_epoch)
     while True:
@@ -299,9 +301,11 @@ def _build(worker: _Worker, expected: str | None) -> tuple[GPT2, TrainStep, Resu
     loss_fn = LMLoss(tc.loss, tc.vocab_multiple)
     step_fn = TrainStep(train_model, optimizer, precision, device, config.optim.grad_clip, loss_fn=loss_fn)
     if resume is not None:
-        load_optimizer_state(model, step_fn.optimizer, resume.loaded.optimizer)
-        if resume.loaded.scaler is not None:
-            step_fn.scaler.load_state_dict(resume.loaded.scaler)
+        loaded = resume.loaded
+        assert loaded is not None  # resume_checkpoint loads the checkpoint it chooses
+        load_optimizer_state(model, step_fn.optimizer, loaded.optimizer)
+        if loaded.scaler is not None:
+            step_fn.scaler.load_state_dict(loaded.scaler)
     return model, step_fn, resume
 
 
