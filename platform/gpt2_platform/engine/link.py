@@ -214,8 +214,9 @@ class Outlet:
                 message = self.conn.recv()
                 if type(message) is SubmitRequest and self.on_submit is not None:
                     self.on_submit(self, message)
-                elif type(message) is Cancel and (engine_id := self.engine_ids.get(message.key)) is not None:
-                    del self.engine_ids[message.key]
+                # One pop: the engine's thread may drop the key (its sequence ended) between a lookup and a
+                # delete, and a KeyError here would end the ingress's whole link.
+                elif type(message) is Cancel and (engine_id := self.engine_ids.pop(message.key, None)) is not None:
                     self.on_cancel(engine_id)
         except (EOFError, OSError):
             pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from gpt2_platform.engine.protocol import GenerationEngine
@@ -128,7 +128,7 @@ class Choices:
         await self._all_started.wait()
         return next((event for event in self._first.values() if event.finish_reason in _REFUSALS), None)
 
-    async def updates(self, interval_s: float) -> AsyncIterator[list[Update]]:
+    async def updates(self, interval_s: float) -> AsyncGenerator[list[Update], None]:
         """What the sequences made, in batches: at once for a first token or an end, otherwise at most
         every `interval_s` (0: whenever anything came); until every sequence ended. Closing the
         iterator early cancels the sequences still running."""
