@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from gpt2_platform.engine.modes import Pick, SamplingMode
 from gpt2_platform.model import GPT2, preset
 from gpt2_platform.train.config import OptimConfig
 from gpt2_platform.train.parallelize import parallelize
@@ -114,7 +115,7 @@ def test_logprobs_and_echo_from_cuda_graphs_match_transformers_in_fp32(tmp_path,
             prompts, GenerationParams(max_tokens=12, ignore_eos=True, sampling=greedy, logprobs=2)
         )
         scored = engine.generate(prompts, GenerationParams(max_tokens=0, logprobs=2, echo=True))
-        assert any(mode.endswith("+logprobs") for _, _, mode in engine.runner.graphs)
+        assert any(mode.logprobs for _, _, mode in engine.runner.graphs)
     finally:
         engine.shutdown()
     for prompt, result, score in zip(prompts, results, scored, strict=True):
@@ -150,7 +151,7 @@ def test_a_prefill_replayed_as_a_graph_fills_the_cache_and_picks_as_the_eager_on
         assert graphed.prefill([prompt], [slot]) == eager.prefill([prompt], [slot])
         for ours, theirs in zip(graphed.cache.kv, eager.cache.kv, strict=True):
             torch.testing.assert_close(ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)])
-    mode = "greedy" if temperature == 0 else ("filtered" if top_k else "plain")
+    mode = SamplingMode(Pick("greedy" if temperature == 0 else ("filtered" if top_k else "plain")), logprobs=False)
     assert {(1, 16, mode), (1, 32, mode), (1, 128, mode)} <= set(graphed.prefill_graphs)
     # Several prompts admitted together: one replay of the graph of their batch bucket (4, so one padding
     # row, which must land in the scratch slot, not in slot 1) and their longest prompt's width.
@@ -296,10 +297,10 @@ def test_a_sampling_mode_left_out_of_the_warm_up_is_captured_on_first_use():
     for modes in (("greedy", "plain", "filtered"), ("greedy",)):
         engine = Engine(model, byte_tokenizer(), config).start(modes=modes)
         try:
-            assert {mode for _, _, mode in engine.runner.graphs} == set(modes)
+            assert {mode for _, _, mode in engine.runner.graphs} == {SamplingMode(Pick(m), False) for m in modes}
             assert engine.stats()["captures_on_use"] == 0  # warm-up's captures are not counted as first use
             results.append(engine.generate([[1, 2, 3]], sampled)[0].token_ids)
-            assert "plain" in {mode for _, _, mode in engine.runner.graphs}
+            assert SamplingMode(Pick.PLAIN, False) in {mode for _, _, mode in engine.runner.graphs}
             stats = engine.stats()
             if modes == ("greedy",):  # the plain mode's decode graph (at least) was captured on first use
                 assert stats["captures_on_use"] >= 1 and stats["capture_on_use_s"] > 0
@@ -336,7 +337,7 @@ def test_compiled_graphs_of_every_sampling_mode_match_the_eager_graphs_on_gpu():
             alone = [engine.generate([prompt], params)[0].token_ids for prompt, params in requests]
             together = engine.generate([p for p, _ in requests], [params for _, params in requests])
             assert [c.token_ids for c in together] == alone
-            assert {mode for _, _, mode in engine.runner.graphs} == {"greedy", "plain", "filtered"}
+            assert {mode for _, _, mode in engine.runner.graphs} == {SamplingMode(pick, False) for pick in Pick}
             outputs.append(alone)
         finally:
             engine.shutdown()

@@ -43,6 +43,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from gpt2_platform.engine import kernels  # noqa: E402
+from gpt2_platform.engine.modes import Pick, SamplingMode  # noqa: E402
 from gpt2_platform.engine.runner import ModelRunner  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
 
@@ -122,7 +123,7 @@ def replay_ms(runner: ModelRunner, batch: int, repeats: int) -> float:
         for _ in range(repeats):
             step(runner, batch)
         return (time.perf_counter() - started) * 1000 / repeats
-    graph, _ = runner.graphs[(batch, runner.span_buckets[-1], "greedy")]
+    graph, _ = runner.graphs[(batch, runner.span_buckets[-1], SamplingMode(Pick.GREEDY, False))]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):
@@ -135,7 +136,7 @@ def replay_ms(runner: ModelRunner, batch: int, repeats: int) -> float:
 def kernels_per_replay(runner: ModelRunner, batch: int) -> tuple[int, list[str]]:
     if not runner.use_graphs:
         return 0, []
-    graph, _ = runner.graphs[(batch, runner.span_buckets[-1], "greedy")]
+    graph, _ = runner.graphs[(batch, runner.span_buckets[-1], SamplingMode(Pick.GREEDY, False))]
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         for _ in range(10):
             graph.replay()

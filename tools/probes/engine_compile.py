@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from gpt2_platform.bench.generation import decode_step_latency, engine_generate, random_prompts  # noqa: E402
 from gpt2_platform.engine.engine import Engine, EngineConfig  # noqa: E402
+from gpt2_platform.engine.modes import Pick, SamplingMode  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
 from gpt2_platform.tokenizer import byte_tokenizer  # noqa: E402
 
@@ -35,7 +36,8 @@ def probe(name: str, out: Path) -> dict:
     warm_s = time.perf_counter() - started
     latency = {b: decode_step_latency(engine, b, 128) for b in (1, 8, 64, 256)}
     runner = engine.runner
-    graph, _ = runner.graphs[(1, 256, "greedy")]  # position 128 attends over the 256 span bucket
+    # Position 128 attends over the 256 span bucket.
+    graph, _ = runner.graphs[(1, 256, SamplingMode(Pick.GREEDY, False))]
     torch.cuda.synchronize()
     started = time.perf_counter()
     for _ in range(500):

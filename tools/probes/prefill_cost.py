@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from gpt2_platform import traces  # noqa: E402
 from gpt2_platform.bench.generation import random_prompts  # noqa: E402
 from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
+from gpt2_platform.engine.modes import Pick, SamplingMode  # noqa: E402
 from gpt2_platform.engine.runner import PROMPT_HEADER, ModelRunner  # noqa: E402
 from gpt2_platform.engine.sampling import SamplingParams  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
@@ -80,7 +81,7 @@ def profile_one(runner: ModelRunner, batch: int, width: int, vocab: int) -> None
     torch.cuda.synchronize()
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            runner._prefill(rows[:, : PROMPT_HEADER + width], width, "greedy")
+            runner._prefill(rows[:, : PROMPT_HEADER + width], width, SamplingMode(Pick.GREEDY, False))
         torch.cuda.synchronize()
     print(f"\nKernels of 5 eager prefills of {batch} x {width} (cache by our kernel):")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))

@@ -17,6 +17,8 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
+from gpt2_platform.engine.modes import Pick
+
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 DecodeKernels = Literal["auto", "triton", "torch"]
 
@@ -39,8 +41,9 @@ keeps each step (and `make demo`) short."""
 WORKSPACE_BYTES = 1 << 30
 """GPU memory `max_batch_size: auto` leaves beside the weights and the cache: CUDA graphs' pools, the
 sampler's and prefill's buffers, the allocator's slack."""
-SAMPLING_MODES = ("greedy", "plain", "filtered")
-"""The decode graphs per shape: argmax only, sampling without top-k/top-p, and with them (runner._mode)."""
+SAMPLING_MODES: tuple[Pick, ...] = tuple(Pick)
+"""The picks a step makes, one decode graph per shape each (engine/modes.py): argmax only, sampling without
+top-k/top-p, and with them; the names warm-up takes."""
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from gpt2_platform.engine import kernels
 from gpt2_platform.engine.cache import KVCache, PackedPrefillView, varlen_attention_available
 from gpt2_platform.engine.config import MAX_LOGPROBS, SAMPLING_MODES
+from gpt2_platform.engine.modes import Pick, SamplingMode, mode_of
 from gpt2_platform.engine.sampling import sample, token_logprobs
 from gpt2_platform.model import GPT2
 
 logger = logging.getLogger(__name__)
 
 
-WITH_LOGPROBS = "+logprobs"
-"""Appended to a mode when a row of the step asks for log-probabilities: a graph of its own, captured on
-first use, so steps that nobody asks them of run exactly as before."""
 # A staged prompt row: these columns, then the prompt's tokens. Floats travel as their float64 bits, so
 # one int64 copy carries a prefill's whole input, sampling parameters included.
 _SLOT, _LAST, _TEMPERATURE, _TOP_K, _TOP_P, _SEED, PROMPT_HEADER = range(7)
@@ -176,7 +174,7 @@ class ModelRunner:
         self.host_logprobs = [self._logprob_buffers(num_slots, pinned) for _ in range(2)]
         self.host_prefill_logprobs = [self._logprob_buffers(num_slots, pinned) for _ in range(2)]
         self.launches = 0
-        # Host copies of what decides the sampling mode of a step (see `_mode`), and of every slot's sampling
+        # Host copies of what decides the sampling mode of a step (`mode_of`), and of every slot's sampling
         # parameters: a prefill carries its slots' to the device in its own staged copy (`start_prefill`).
         self.greedy = [True] * num_slots
         self.limited = [False] * num_slots  # top-k or top-p set
@@ -187,7 +185,7 @@ class ModelRunner:
         self.top_k = torch.zeros(state, dtype=torch.long, device=device)
         self.top_p = torch.ones(state, dtype=torch.float32, device=device)
         self.seed = torch.zeros(state, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, SamplingMode], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Prompts admitted together are staged as rows (header, then tokens) in one copy from pinned memory,
         # which waits for nothing on the host: a copy from pageable memory would wait for the decode step in
         # flight. Up to `graphed_prefill_max` of them replay a prefill graph per (batch bucket, width bucket,
@@ -196,7 +194,7 @@ class ModelRunner:
         # (jobs/bench_serve.py, engine profile). One graph for all of them, not one replay each: a prefill
         # of a few prompts takes about as long on the GPU as one (tools/probes/prefill_batching.py). More
         # prompts than that (a batch job's first wave) take one eager prefill.
-        self.prefill_graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prefill_graphs: dict[tuple[int, int, SamplingMode], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graphed_prefill_max = min(GRAPHED_PREFILL_MAX, num_slots)
         self.prefill_batch_buckets = buckets(self.graphed_prefill_max, 1)
         # One column past the context: a scored prompt's last token, a target only (requests.scoring_only).
@@ -211,7 +209,7 @@ class ModelRunner:
         packed_length = packed_layout(num_slots, GRAPHED_PREFILL_TOKENS)[-1]
         self.host_packed = [torch.zeros(packed_length, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.staged_packed = torch.zeros(packed_length, dtype=torch.long, device=device)
-        self.packed_graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.packed_graphs: dict[tuple[int, int, SamplingMode], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_done: list[torch.cuda.Event | None] = [None, None]  # when each host buffer is free again
         self.prefills = 0
         # Graphs captured after warm-up, when a shape is first met, and the seconds they took.
@@ -309,7 +307,7 @@ class ModelRunner:
         # token past the context feeds all but its last token (a target only).
         assert longest <= self.max_seq_len or echo, f"a prompt of {longest} tokens is over the context"
         width = bucket_for(min(longest, self.max_seq_len), self.prefill_buckets)
-        mode = self._mode_of(
+        mode = mode_of(
             [self.greedy[s] for s in slots], [self.limited[s] for s in slots], [self.logprobs[s] for s in slots]
         )
         self._unsent_sampling.difference_update(slots)
@@ -363,7 +361,7 @@ class ModelRunner:
         rows[len(prompts) :, :PROMPT_HEADER] = [self.scratch_slot, 0, 0, 0, 0, 0]
         as_float[len(prompts) :, _TOP_P] = 1.0
 
-    def _start_packed(self, prompts: list[list[int]], slots: list[int], buffer: int, mode: str) -> Launch:
+    def _start_packed(self, prompts: list[list[int]], slots: list[int], buffer: int, mode: SamplingMode) -> Launch:
         """Start prompts (each within the context) packed back to back into their slots; as `start_prefill`.
 
         On CUDA, replays the graph of the prompts' count and their tokens (from PACKED_MIN_TOKENS) each rounded
@@ -402,7 +400,7 @@ class ModelRunner:
             out = self._prefill_packed(count, tokens, mode, bounds=[0, *ends.tolist()])
         return self._hand_back(out, self.host_firsts[buffer], batch, self.host_prefill_logprobs[buffer])
 
-    def _prefill_packed(self, count: int, tokens: int, mode: str, bounds: list[int] | None = None):
+    def _prefill_packed(self, count: int, tokens: int, mode: SamplingMode, bounds: list[int] | None = None):
         """The packed prompts staged in `staged_packed` (`packed_layout(count, tokens)`) into their slots; the
         first token of each, as `_prefill` leaves them. `bounds`: where the prompts start and end, on the host
         (CPU only: CUDA attends by the staged starts)."""
@@ -417,12 +415,12 @@ class ModelRunner:
         )
         return self._first_tokens(staged[:at_ids].view(count, PROMPT_HEADER), hidden, mode)
 
-    def _capture_packed(self, count: int, tokens: int, mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_packed(self, count: int, tokens: int, mode: SamplingMode) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         graph, out = self._capture_graph(lambda: self._prefill_packed(count, tokens, mode))
         self.packed_graphs[(count, tokens, mode)] = (graph, out)
         return graph, out
 
-    def _prefill(self, rows: torch.Tensor, width: int, mode: str, echo: bool = False):
+    def _prefill(self, rows: torch.Tensor, width: int, mode: SamplingMode, echo: bool = False):
         """Staged prompt rows `(B, PROMPT_HEADER + width)` into their slots; the first token of each.
 
         Sets each slot's sampling parameters from its row, and leaves the slot's first token, position
@@ -444,7 +442,7 @@ class ModelRunner:
         out = self._first_tokens(rows, hidden, mode)
         return out if prompt_logprobs is None else (out, prompt_logprobs)
 
-    def _first_tokens(self, rows: torch.Tensor, hidden: torch.Tensor, mode: str):
+    def _first_tokens(self, rows: torch.Tensor, hidden: torch.Tensor, mode: SamplingMode):
         """Each prompt's first token from its last position's `hidden` `(B, C)`, with the sampling parameters
         of its header row (`rows` `(B, >= PROMPT_HEADER)`); leaves the token, the position after the prompt and
         step 1 in its slot."""
@@ -454,10 +452,9 @@ class ModelRunner:
         self.top_p[slots] = rows[:, _TOP_P].view(torch.float64).float()
         self.seed[slots] = rows[:, _SEED]
         logits = self._logits(hidden)
-        # The same choice of pick as a decode step's (`_mode`): for greedy rows only, the argmax without
+        # The same choice of pick as a decode step's: for greedy rows only, the argmax without
         # sample's float64 sort and noise over the whole vocabulary.
-        base, with_logprobs = self._split_mode(mode)
-        if base == "greedy":
+        if mode.pick == Pick.GREEDY:
             first = torch.argmax(logits.float(), dim=-1)
         else:
             first = sample(
@@ -467,12 +464,12 @@ class ModelRunner:
                 self.top_p[slots],
                 self.seed[slots],
                 torch.zeros_like(slots),
-                filtered=base == "filtered",
+                filtered=mode.pick == Pick.FILTERED,
             )
         self.tokens[slots] = first
         self.positions[slots] = torch.clamp(last + 1, max=self.max_seq_len - 1)
         self.steps.index_fill_(0, slots, 1)  # a Python scalar here would be a host copy, refused in a capture
-        return (first, *token_logprobs(logits, first, MAX_LOGPROBS)) if with_logprobs else first
+        return (first, *token_logprobs(logits, first, MAX_LOGPROBS)) if mode.logprobs else first
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probabilities of `targets` `(B, T)` (each position's next token) from `hidden` `(B, T, C)`, with
@@ -490,7 +487,7 @@ class ModelRunner:
             return False
         return self.use_graphs and batch <= self.graphed_prefill_max and batch * width <= GRAPHED_PREFILL_TOKENS
 
-    def _capture_prefill(self, batch: int, width: int, mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_prefill(self, batch: int, width: int, mode: SamplingMode) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         rows = self.staged_prompts[:batch, : PROMPT_HEADER + width]
         graph, out = self._capture_graph(lambda: self._prefill(rows, width, mode))
         self.prefill_graphs[(batch, width, mode)] = (graph, out)
@@ -508,24 +505,10 @@ class ModelRunner:
             return contextlib.nullcontext()
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
-    def _mode(self, active: int) -> str:
-        """greedy (argmax only), plain (no top-k/top-p: no sort), or filtered; one graph each."""
-        return self._mode_of(self.greedy[:active], self.limited[:active], self.logprobs[:active])
-
-    @staticmethod
-    def _mode_of(greedy: list[bool], limited: list[bool], logprobs: list[bool]) -> str:
-        base = "greedy" if all(greedy) else "filtered" if any(limited) else "plain"
-        return base + WITH_LOGPROBS if any(logprobs) else base
-
-    @staticmethod
-    def _split_mode(mode: str) -> tuple[str, bool]:
-        """A mode's sampling part, and whether its step computes log-probabilities."""
-        return mode.removesuffix(WITH_LOGPROBS), mode.endswith(WITH_LOGPROBS)
-
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, self.head)[..., : self.vocab_limit]
 
-    def _decode_step(self, batch: int, span: int, mode: str) -> torch.Tensor:
+    def _decode_step(self, batch: int, span: int, mode: SamplingMode) -> torch.Tensor:
         """One token for rows [:batch], attending over [0, span); reads and advances only the static buffers."""
         logits, positions, steps = self.forward(batch, span)
         return self.pick(logits, positions, steps, mode)
@@ -551,11 +534,12 @@ class ModelRunner:
         hidden = self.model.hidden(tokens[:, None], positions=positions[:, None], cache=view)  # (B, 1, C)
         return self._logits(hidden[:, -1]), positions, steps
 
-    def _pick(self, logits: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor, mode: str) -> torch.Tensor:
+    def _pick(
+        self, logits: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor, mode: SamplingMode
+    ) -> torch.Tensor:
         """Each row's next token, left with its position + 1 and step + 1 as the next step's inputs."""
         batch = logits.shape[0]
-        base, with_logprobs = self._split_mode(mode)
-        if base == "greedy":
+        if mode.pick == Pick.GREEDY:
             # The same argmax `sample` takes for temperature-0 rows, without its sort and noise.
             out = argmax_in_blocks(logits) if logits.is_cuda and batch <= 16 else torch.argmax(logits.float(), dim=-1)
         else:
@@ -566,14 +550,14 @@ class ModelRunner:
                 self.top_p[:batch],
                 self.seed[:batch],
                 steps,
-                filtered=base == "filtered",
+                filtered=mode.pick == Pick.FILTERED,
             )
         # A row whose sequence ended runs once more before the host knows; clamping keeps its
         # cache write inside the cache.
         self.tokens[:batch] = out
         self.positions[:batch] = torch.clamp(positions + 1, max=self.max_seq_len - 1)
         self.steps[:batch] = steps + 1
-        if with_logprobs:
+        if mode.logprobs:
             return (out, *token_logprobs(logits, out, MAX_LOGPROBS))
         return out
 
@@ -592,7 +576,7 @@ class ModelRunner:
         """
         batch = bucket_for(active, self.batch_buckets)
         span = bucket_for(max_position + 1, self.span_buckets)
-        mode = self._mode(active)
+        mode = mode_of(self.greedy[:active], self.limited[:active], self.logprobs[:active])
         if self._unsent_sampling:
             self._send_sampling()
         buffer = self.launches % 2
@@ -643,7 +627,7 @@ class ModelRunner:
         fed = np.array([tokens, positions, steps], dtype=np.int64)
         return self.launch(len(tokens), [], max(positions), fed).tokens()
 
-    def _capture(self, batch: int, span: int, mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: int, span: int, mode: SamplingMode) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Rows that go on from the device's state advance it in each warm-up run: put it back after them.
         state = (self.tokens, self.positions, self.steps)
         graph, out = self._capture_graph(lambda: self._decode_step(batch, span, mode), keep=state)
@@ -704,7 +688,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self, modes: tuple[str, ...] = SAMPLING_MODES, prefills: bool = True) -> float:
-        """Run (and on CUDA capture) every decode and prefill shape of `modes` before serving; returns seconds.
+        """Run (and on CUDA capture) every decode and prefill shape of `modes` (Pick names) before serving;
+        returns seconds.
 
         A mode left out is captured on first use instead (tens of ms per shape): a batch job that
         only decodes greedily need not capture the sampling graphs at start. So are prefill graphs
@@ -716,7 +701,7 @@ class ModelRunner:
         captures, phases = self.captures, list(self.capture_phases_s)
         self._warming = True
         try:
-            decode_s = self._warm(modes, prefills)
+            decode_s = self._warm([SamplingMode(Pick(name), logprobs=False) for name in modes], prefills)
         finally:
             self._warming = False
         elapsed = time.perf_counter() - start
@@ -737,7 +722,7 @@ class ModelRunner:
         )
         return elapsed
 
-    def _warm(self, modes: tuple[str, ...], prefills: bool) -> float:
+    def _warm(self, modes: list[SamplingMode], prefills: bool) -> float:
         """Warm-up's work; returns the seconds the decode shapes took."""
         start = time.perf_counter()
         self.positions.zero_()
