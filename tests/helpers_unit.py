@@ -90,7 +90,7 @@ def kernel_step_and_model_step(
         for step in (
             lambda: runner._forward(batch, max_seq_len),
             lambda: decoder.forward(
-                runner.staged, runner.tokens, runner.positions, runner.steps, runner.cache.kv, batch
+                runner.staged, runner.state.tokens, runner.state.positions, runner.state.steps, runner.cache.kv, batch
             ),
         ):
             for t, saved in zip(runner.cache.kv, before, strict=True):

@@ -514,7 +514,8 @@ def test_max_tokens_0_needs_echo_and_an_echoed_prompt_must_fit_the_context(engin
 def test_a_packed_prefill_fills_the_cache_and_picks_as_the_padded_one(model, sampling):
     """Prompts of many lengths admitted together run back to back without padding; each slot ends as the
     padded prefill leaves it (cache, first token, position, step), and decoding goes on identically."""
-    from gpt2_platform.engine.runner import PACKED_PREFILL_MIN_PROMPTS, ModelRunner
+    from gpt2_platform.engine.prefill import PACKED_PREFILL_MIN_PROMPTS
+    from gpt2_platform.engine.runner import ModelRunner
 
     runners = {
         packed: ModelRunner(model, 48, 96, torch.float32, torch.device("cpu"), cuda_graphs=False, packed_prefill=packed)
@@ -535,7 +536,7 @@ def test_a_packed_prefill_fills_the_cache_and_picks_as_the_padded_one(model, sam
     for slot, prompt in zip(slots, prompts, strict=True):
         for ours, theirs in zip(packed.cache.kv, padded.cache.kv, strict=True):
             torch.testing.assert_close(ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)])
-        assert packed.positions[slot].item() == len(prompt) and packed.steps[slot].item() == 1
+        assert packed.state.positions[slot].item() == len(prompt) and packed.state.steps[slot].item() == 1
     # Below the minimum, a group keeps the padded prefill.
     free = sorted(set(range(48)) - set(slots))[:3]
     for runner in runners.values():

@@ -152,13 +152,13 @@ def test_a_prefill_replayed_as_a_graph_fills_the_cache_and_picks_as_the_eager_on
         for ours, theirs in zip(graphed.cache.kv, eager.cache.kv, strict=True):
             torch.testing.assert_close(ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)])
     mode = SamplingMode(Pick("greedy" if temperature == 0 else ("filtered" if top_k else "plain")), logprobs=False)
-    assert {(1, 16, mode), (1, 32, mode), (1, 128, mode)} <= set(graphed.prefill_graphs)
+    assert {(1, 16, mode), (1, 32, mode), (1, 128, mode)} <= set(graphed.graph_cache.prefill)
     # Several prompts admitted together: one replay of the graph of their batch bucket (4, so one padding
     # row, which must land in the scratch slot, not in slot 1) and their longest prompt's width.
     for runner in (graphed, eager):
         runner.set_sampling(3, 0.0, 0, 1.0, seed=3)  # and a greedy row beside the others' mode
     slot_1 = [t[1].clone() for t in graphed.cache.kv]
-    state_1 = [graphed.tokens[1].item(), graphed.positions[1].item(), graphed.steps[1].item()]
+    state_1 = [graphed.state.tokens[1].item(), graphed.state.positions[1].item(), graphed.state.steps[1].item()]
     slots = [2, 0, 3]
     assert graphed.prefill(prompts, slots) == eager.prefill(prompts, slots)
     for slot, prompt in zip(slots, prompts, strict=True):
@@ -166,12 +166,12 @@ def test_a_prefill_replayed_as_a_graph_fills_the_cache_and_picks_as_the_eager_on
             torch.testing.assert_close(ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)])
         # Each slot is left as a decode step reads it: the first token, the position after the prompt, step 1.
         for runner in (graphed, eager):
-            assert runner.positions[slot].item() == len(prompt) and runner.steps[slot].item() == 1
-        assert graphed.tokens[slot].item() == eager.tokens[slot].item()
+            assert runner.state.positions[slot].item() == len(prompt) and runner.state.steps[slot].item() == 1
+        assert graphed.state.tokens[slot].item() == eager.state.tokens[slot].item()
     for before, after in zip(slot_1, graphed.cache.kv, strict=True):
         assert torch.equal(before, after[1]), "a padding row of the prefill graph wrote into slot 1"
-    assert [graphed.tokens[1].item(), graphed.positions[1].item(), graphed.steps[1].item()] == state_1
-    assert any(key[0] == 4 for key in graphed.prefill_graphs)
+    assert [graphed.state.tokens[1].item(), graphed.state.positions[1].item(), graphed.state.steps[1].item()] == state_1
+    assert any(key[0] == 4 for key in graphed.graph_cache.prefill)
 
 
 def test_a_prefill_and_a_decode_step_copy_their_inputs_from_pinned_memory_only():
@@ -198,7 +198,8 @@ def test_a_prefill_and_a_decode_step_copy_their_inputs_from_pinned_memory_only()
 
 def test_packed_prefill_graphs_fill_the_cache_as_the_padded_graphs_do_in_bf16():
     # Variable-length flash attention takes no fp32: bf16, with its tolerance, against the padded path.
-    from gpt2_platform.engine.runner import PACKED_PREFILL_MIN_PROMPTS, ModelRunner
+    from gpt2_platform.engine.prefill import PACKED_PREFILL_MIN_PROMPTS
+    from gpt2_platform.engine.runner import ModelRunner
 
     torch.manual_seed(0)
     model = GPT2(preset("tiny"))
@@ -214,8 +215,8 @@ def test_packed_prefill_graphs_fill_the_cache_as_the_padded_graphs_do_in_bf16():
     for runner in runners.values():
         runner.warmup(("greedy",))
     # With packing, padded graphs of more than 16 rows would never replay: warm-up leaves them out.
-    assert max(key[0] for key in padded.prefill_graphs) == 64
-    assert max(key[0] for key in packed.prefill_graphs) == PACKED_PREFILL_MIN_PROMPTS
+    assert max(key[0] for key in padded.graph_cache.prefill) == 64
+    assert max(key[0] for key in packed.graph_cache.prefill) == PACKED_PREFILL_MIN_PROMPTS
     untouched = [t[63].clone() for t in packed.cache.kv]  # a slot no prompt goes to
     for count, offset in ((PACKED_PREFILL_MIN_PROMPTS + 20, 0), (PACKED_PREFILL_MIN_PROMPTS, 3)):
         prompts = [
@@ -230,9 +231,9 @@ def test_packed_prefill_graphs_fill_the_cache_as_the_padded_graphs_do_in_bf16():
                 torch.testing.assert_close(
                     ours[slot, :, :, : len(prompt)], theirs[slot, :, :, : len(prompt)], atol=3e-2, rtol=3e-2
                 )
-            assert packed.positions[slot].item() == len(prompt) and packed.steps[slot].item() == 1
+            assert packed.state.positions[slot].item() == len(prompt) and packed.state.steps[slot].item() == 1
     # Two graphs (64 prompts' bucket, 16's), each replayed once; padding wrote only into the scratch slot.
-    assert packed.packed_prefills == 2 and len(packed.packed_graphs) == 2 and padded.packed_prefills == 0
+    assert packed.packed_prefills == 2 and len(packed.graph_cache.packed) == 2 and padded.packed_prefills == 0
     for before, after in zip(untouched, packed.cache.kv, strict=True):
         assert torch.equal(before, after[63])
 
@@ -248,7 +249,8 @@ def test_a_packed_prefill_in_an_engine_that_compiles_nothing_does_not_import_dyn
     code = """
 import sys
 import torch
-from gpt2_platform.engine.runner import PACKED_PREFILL_MIN_PROMPTS, ModelRunner
+from gpt2_platform.engine.prefill import PACKED_PREFILL_MIN_PROMPTS
+from gpt2_platform.engine.runner import ModelRunner
 from gpt2_platform.model import GPT2, preset
 runner = ModelRunner(GPT2(preset("tiny")), 64, 128, torch.bfloat16, torch.device("cuda"), cuda_graphs=True,
                      packed_prefill=True)

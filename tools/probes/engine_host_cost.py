@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "platform"))
 
 import torch  # noqa: E402
 
+from gpt2_platform.engine.buffers import Launch  # noqa: E402
 from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
-from gpt2_platform.engine.runner import Launch  # noqa: E402
 from gpt2_platform.engine.sampling import SamplingParams  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
 from gpt2_platform.tokenizer import byte_tokenizer  # noqa: E402

@@ -44,7 +44,8 @@ def main() -> int:
         model, 256, 2 * args.prompt_tokens, torch.bfloat16, device, cuda_graphs=True, packed_prefill=False
     )
     runner.warmup(("greedy",))
-    print(f"{args.preset}, {args.prompt_tokens}-token prompts, bf16, greedy; graphs up to {runner.graphed_prefill_max}")
+    graphed_max = runner.prefiller.graphed_prefill_max
+    print(f"{args.preset}, {args.prompt_tokens}-token prompts, bf16, greedy; graphs up to {graphed_max}")
     print("| prompts | path | device ms per prefill | host ms to start it | device ms per prompt |")
     print("|---:|---|---:|---:|---:|")
     for batch in args.batches:
@@ -68,7 +69,7 @@ def main() -> int:
             began = time.perf_counter()
             runner.start_prefill(prompts, slots)
             host_s += time.perf_counter() - began
-        path = "graph" if batch <= runner.graphed_prefill_max else "eager"
+        path = "graph" if batch <= graphed_max else "eager"
         print(f"| {batch} | {path} | {device_ms:.3f} | {1e3 * host_s / args.repeats:.3f} | {device_ms / batch:.3f} |")
     return 0
 

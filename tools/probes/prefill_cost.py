@@ -29,7 +29,8 @@ from gpt2_platform import traces  # noqa: E402
 from gpt2_platform.bench.generation import random_prompts  # noqa: E402
 from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
 from gpt2_platform.engine.modes import Pick, SamplingMode  # noqa: E402
-from gpt2_platform.engine.runner import PROMPT_HEADER, ModelRunner  # noqa: E402
+from gpt2_platform.engine.prefill import PROMPT_HEADER  # noqa: E402
+from gpt2_platform.engine.runner import ModelRunner  # noqa: E402
 from gpt2_platform.engine.sampling import SamplingParams  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
 from gpt2_platform.tokenizer import byte_tokenizer  # noqa: E402
@@ -76,12 +77,12 @@ def prefill_table(model: GPT2, args: argparse.Namespace, device: torch.device) -
 
 def profile_one(runner: ModelRunner, batch: int, width: int, vocab: int) -> None:
     prompts = [p.tolist() for p in random_prompts(batch, width, vocab)]
-    rows = runner.staged_prompts[:batch]
+    rows = runner.prefiller.staged_prompts[:batch]
     runner.start_prefill(prompts, list(range(batch))).tokens()  # stages this shape's rows
     torch.cuda.synchronize()
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            runner._prefill(rows[:, : PROMPT_HEADER + width], width, SamplingMode(Pick.GREEDY, False))
+            runner.prefiller._padded(rows[:, : PROMPT_HEADER + width], width, SamplingMode(Pick.GREEDY, False))
         torch.cuda.synchronize()
     print(f"\nKernels of 5 eager prefills of {batch} x {width} (cache by our kernel):")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))

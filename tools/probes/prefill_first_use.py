@@ -37,10 +37,10 @@ def main() -> int:
     torch.manual_seed(0)
     runner = ModelRunner(GPT2(preset("gpt2")), 64, 256, torch.bfloat16, torch.device("cuda"), True)
     runner.prefill([[1] * 100], [0])
-    flash = runner._prefill_attention
-    runner._prefill_attention = contextlib.nullcontext  # SDPA picks its backend itself (cuDNN on an H200)
+    flash = runner.prefiller._attention
+    runner.prefiller._attention = contextlib.nullcontext  # SDPA picks its backend itself (cuDNN on an H200)
     print("default SDPA (batch, call, ms):", first_use(runner, [3, 5, 7, 9, 11]), flush=True)
-    runner._prefill_attention = flash  # what the engine does: flash attention for prefills
+    runner.prefiller._attention = flash  # what the engine does: flash attention for prefills
     print("flash       (batch, call, ms):", first_use(runner, [4, 6, 10, 12, 13]), flush=True)
     return 0
 

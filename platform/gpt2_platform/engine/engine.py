@@ -30,7 +30,8 @@ import torch
 
 from gpt2_platform.engine import kernels
 from gpt2_platform.engine.admission import Admission, DrainRate, Refusal, decide
-from gpt2_platform.engine.config import auto_batch_size
+from gpt2_platform.engine.buffers import Launch
+from gpt2_platform.engine.config import SAMPLING_MODES, auto_batch_size
 from gpt2_platform.engine.detokenize import ByteTable, TableTokenizer
 from gpt2_platform.engine.output import TextOutput
 from gpt2_platform.engine.requests import (
@@ -45,7 +46,7 @@ from gpt2_platform.engine.requests import (
     logprob_entries,
     validate_request,
 )
-from gpt2_platform.engine.runner import SAMPLING_MODES, Launch, ModelRunner
+from gpt2_platform.engine.runner import ModelRunner
 from gpt2_platform.model import GPT2
 
 if TYPE_CHECKING:
