@@ -91,7 +91,7 @@ def test_engine_with_cuda_graphs_matches_transformers_greedy_in_fp32(tmp_path):
 
 @pytest.mark.parametrize("batch", [1, 3, 70], ids=["gemv", "cublas", "eager-prefill"])
 def test_logprobs_and_echo_from_cuda_graphs_match_transformers_in_fp32(tmp_path, batch):
-    # The '+logprobs' graphs (decode and prefill, captured on first use) and the echo prefill, on the GPU
+    # The log-probability modes' graphs (decode and prefill, captured on first use) and the echo prefill, on the GPU
     # paths the CPU tests do not reach: our Triton kernels at batch 1, cuBLAS above, an eager prefill past
     # the graphed limit (64 prompts) at 70.
     from transformers import AutoModelForCausalLM
