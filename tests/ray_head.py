@@ -75,7 +75,11 @@ class RayHead:
         self, *args: str, timeout_s: float = 60, env: dict[str, str] | None = None, cwd: Path | None = None
     ) -> subprocess.CompletedProcess[str]:
         """Run the `ray` CLI as a user of this cluster would; stdout and stderr together in `.stdout`."""
-        return subprocess.run(
+        return finish(self.start_ray(*args, env=env, cwd=cwd), timeout_s)
+
+    def start_ray(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+        """`ray` as in `ray()`, started and not waited for (`finish` waits), so that several run at once."""
+        return subprocess.Popen(
             [RAY_CLI, *args],
             env=self.client_env() if env is None else env,
             cwd=cwd,
@@ -83,7 +87,6 @@ class RayHead:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            timeout=timeout_s,
         )
 
     def get(self, path: str, token: str | None) -> tuple[int, str]:
@@ -127,6 +130,17 @@ class RayHead:
         left = reap_marked(marker, MARKER_VAR, grace_s)
         shutil.rmtree(self.root, ignore_errors=True)
         return left
+
+
+def finish(process: subprocess.Popen, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Wait for a process of `RayHead.start_ray`; what it printed in `.stdout` (killed past `timeout_s`)."""
+    try:
+        stdout, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, None)
 
 
 def _environment(root: Path) -> dict[str, str]:
