@@ -400,6 +400,7 @@ def test_an_engine_on_gpu_generates_transformers_greedy_tokens_for_a_transformer
 
 def test_programmatic_dependent_launch_gives_the_same_logits_as_plain_launches_in_cuda_graphs():
     """PDL lets a kernel start before the previous one ends: a read before its gdc_wait would race."""
+    from gpt2_platform.bench.generation import fed_step
     from gpt2_platform.engine import kernels
     from gpt2_platform.engine.runner import ModelRunner
 
@@ -416,7 +417,7 @@ def test_programmatic_dependent_launch_gives_the_same_logits_as_plain_launches_i
         with torch.inference_mode():
             # Batch 1 runs our GEMV kernels back to back; batch 8 our kernels after cuBLAS GEMMs.
             steps = [
-                runner.decode([11 + (t + row) % 50 for row in range(batch)], [t] * batch, [1] * batch)
+                fed_step(runner, [11 + (t + row) % 50 for row in range(batch)], [t] * batch, [1] * batch)
                 for batch in (1, 8)
                 for t in range(100)
             ]

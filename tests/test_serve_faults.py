@@ -155,7 +155,11 @@ def two_engines_url(serve_port, model_dir) -> Iterator[str]:
 
     # A loaded 2-core CI machine steps slowly enough that a wave's last sequences would wait past the default
     # budget and get 429; this test is about spreading over engines, not admission (test_admission's).
-    args = {"model": str(model_dir), "engine": {"dtype": "fp32", "max_batch_size": 4}, "limits": {"max_queue_wait_s": 120}}
+    args = {
+        "model": str(model_dir),
+        "engine": {"dtype": "fp32", "max_batch_size": 4},
+        "limits": {"max_queue_wait_s": 120},
+    }
     engine_options = {
         "num_replicas": 2,
         "ray_actor_options": {"num_cpus": 0.5},

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "platform"))
 
 import torch  # noqa: E402
 
+from gpt2_platform.bench.generation import fed_step  # noqa: E402
 from gpt2_platform.engine.runner import ModelRunner  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
 
@@ -34,11 +35,11 @@ def main() -> int:
             model = GPT2(preset(args.preset))
             runner = ModelRunner(model, slots, 256, torch.float32, device, cuda_graphs=False, compile_step=compiled)
             started = time.perf_counter()
-            runner.decode([1], [100], [1])  # compiles on first use
+            fed_step(runner, [1], [100], [1])  # compiles on first use
             first_s = time.perf_counter() - started
             started = time.perf_counter()
             for _ in range(50):
-                runner.decode([1], [100], [1])
+                fed_step(runner, [1], [100], [1])
             step_ms = (time.perf_counter() - started) / 50 * 1000
             print(f"slots {slots:4d} compiled {compiled!s:5}: first call {first_s:5.1f} s, step {step_ms:6.2f} ms")
     return 0

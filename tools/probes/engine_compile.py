@@ -20,7 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "platform"))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from gpt2_platform.bench.generation import decode_step_latency, engine_generate, random_prompts  # noqa: E402
+from gpt2_platform.bench.generation import (  # noqa: E402
+    decode_step_latency,
+    engine_generate,
+    fed_step,
+    random_prompts,
+)
 from gpt2_platform.engine.engine import Engine, EngineConfig  # noqa: E402
 from gpt2_platform.engine.modes import Pick, SamplingMode  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
@@ -47,7 +52,7 @@ def probe(name: str, out: Path) -> dict:
     tokens_per_s = {b: engine_generate(engine, random_prompts(b, 128, 50257), 128).tokens_per_s for b in (1, 64, 256)}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         for _ in range(20):
-            runner.decode([1], [128], [1])
+            fed_step(runner, [1], [128], [1])
         torch.cuda.synchronize()
     table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     (out / f"profile_{name}.txt").write_text(table)

@@ -14,6 +14,7 @@ import torch
 
 from gpt2_platform.engine.config import DecodeKernels, Dtype
 from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams, resolve_dtype
+from gpt2_platform.engine.runner import ModelRunner
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.model import GPT2, preset
 from gpt2_platform.tokenizer import byte_tokenizer
@@ -135,16 +136,23 @@ def engine_only(
         engine.shutdown()
 
 
+def fed_step(runner: ModelRunner, tokens: list[int], positions: list[int], steps: list[int]) -> list[int]:
+    """One decode step for slots 0..len(tokens)-1, every row fed by the host (no prefill), waiting for its
+    tokens."""
+    fed = np.array([tokens, positions, steps], dtype=np.int64)
+    return runner.launch(len(tokens), [], max(positions), fed).tokens()
+
+
 def decode_step_latency(engine: Engine, batch: int, position: int, repeats: int = 200) -> float:
     """Milliseconds per decode step at this batch size, host work included (tokens in, tokens out)."""
     runner = engine.runner
     tokens, positions, steps = [1] * batch, [position] * batch, [1] * batch
     for _ in range(10):
-        runner.decode(tokens, positions, steps)
+        fed_step(runner, tokens, positions, steps)
     _sync(runner.device)
     start = time.perf_counter()
     for _ in range(repeats):
-        runner.decode(tokens, positions, steps)
+        fed_step(runner, tokens, positions, steps)
     _sync(runner.device)
     return 1000 * (time.perf_counter() - start) / repeats
 
@@ -177,7 +185,7 @@ def pipelined_step_latency(
     """Milliseconds per decode step as the engine's loop runs them: step n+1 is launched before step n's
     tokens are read, each step going on from the last one's tokens on the device.
 
-    `logprobs`: every row asks for log-probabilities (the step's '+logprobs' graph, which also copies
+    `logprobs`: every row asks for log-probabilities (the step's log-probability graph, which also copies
     them to the host), to price them against the plain step."""
     runner = engine.runner
     # Positions advance a step at a time: they must stay inside the context.

@@ -132,7 +132,7 @@ class PackedPrefillView:
             # imports torch._dynamo, seconds that a batch job's first packed prefill waited for, mid-run, in
             # an engine that compiles nothing (py-spy of the job's actor:
             # docs/benchmarks/2026-12-03-s17-batch-h200.md).
-            # Flash, as `varlen_attn` chose here, not cuDNN (see ModelRunner._prefill_attention). Causal within
+            # Flash, as `varlen_attn` chose here, not cuDNN (see engine/prefill.py, Prefiller._attention). Causal within
             # each prompt, as window (-1, 0) is.
             out = torch.ops.aten._flash_attention_forward(
                 q, k, v, self.starts, self.starts, self.longest, self.longest, 0.0, True, False, scale=scale

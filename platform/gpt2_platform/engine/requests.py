@@ -56,7 +56,7 @@ TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 
 
 def logprob_entries(values, ids, top: int) -> list[TokenLogprob]:
-    """TokenLogprobs from a launch's arrays (engine/runner.py, Launch): `values` (N, 1 + MAX_LOGPROBS), the
+    """TokenLogprobs from a launch's arrays (engine/buffers.py, Launch): `values` (N, 1 + MAX_LOGPROBS), the
     token's log-probability then the top ones'; `ids` (N, MAX_LOGPROBS); `top` alternatives kept."""
     return [
         (lp, tuple(zip(top_ids, top_lps, strict=True)))

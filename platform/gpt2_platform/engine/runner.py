@@ -253,11 +253,6 @@ class ModelRunner:
             out = self._decode_step(batch, span, mode)
         return hand_back(out, buffers.tokens, active, buffers.logprobs, self.on_cuda)
 
-    def decode(self, tokens: list[int], positions: list[int], steps: list[int]) -> list[int]:
-        """The next token for slots 0..len(tokens)-1, every row fed by the host, waiting for the result."""
-        fed = np.array([tokens, positions, steps], dtype=np.int64)
-        return self.launch(len(tokens), [], max(positions), fed).tokens()
-
     def _capture(self, batch: int, span: int, mode: SamplingMode) -> Graph:
         # Rows that go on from the device's state advance it in each warm-up run: put it back after them.
         state = (self.state.tokens, self.state.positions, self.state.steps)
