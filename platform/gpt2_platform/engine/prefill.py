@@ -201,7 +201,7 @@ class Prefiller:
     def _write_headers(self, rows: np.ndarray, prompts: list[list[int]], slots: list[int]) -> None:
         """Each prompt's header row (slot, last index, sampling parameters) into `rows` `(R, >= PROMPT_HEADER)`;
         the rows past the prompts (a graph's padding) are greedy, one token long, into the scratch slot."""
-        as_float = rows.view("float64")
+        as_float: np.ndarray = rows.view("float64")
         for row, (prompt, slot) in enumerate(zip(prompts, slots, strict=True)):
             temperature, top_k, top_p, seed = self.sampling[slot]
             last = min(len(prompt), self.max_seq_len) - 1
