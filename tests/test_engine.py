@@ -7,12 +7,14 @@ import dataclasses
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
 
 from gpt2_platform import checkpoint, demo_data
 from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, GenerationParams
+from gpt2_platform.engine.requests import Event
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.model import GPT2, preset
 from gpt2_platform.tokenizer import byte_tokenizer
@@ -199,13 +201,29 @@ def test_ids_past_the_tokenizer_are_never_sampled_from_a_padded_vocabulary(token
         engine.shutdown()
 
 
+async def stream(engine: Engine, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[Event]:
+    """A request's events on asyncio as they come; closing the iterator early cancels the request."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    request_id = engine.submit(prompt_ids, params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
+    finished = False
+    try:
+        while not finished:
+            event = await queue.get()
+            finished = event.finished
+            yield event
+    finally:
+        if not finished:
+            engine.cancel(request_id)
+
+
 def test_streaming_yields_text_deltas_and_a_disconnect_frees_the_slot(engine, tokenizer):
     prompt = tokenizer(PROMPTS[1])["input_ids"]
     (reference,) = engine.generate([prompt], greedy(12))
 
     async def consume(limit: int | None) -> list:
         events = []
-        async for event in engine.stream(prompt, greedy(12 if limit is None else 100)):
+        async for event in stream(engine, prompt, greedy(12 if limit is None else 100)):
             events.append(event)
             if limit is not None and len(events) == limit:
                 break  # the client goes away

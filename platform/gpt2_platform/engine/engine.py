@@ -5,13 +5,11 @@ requests into free cache slots (a batched prefill that yields their first
 token), then runs one decode step for every running sequence. A request joins
 at the next step and leaves the step it finishes, so nobody waits for a batch
 to drain. Consumers submit from any thread and get events back through a
-callback; `stream()` wraps that for asyncio (Serve) and `generate()` blocks
-(Ray Data).
+callback; `generate()` wraps that to block (Ray Data).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -20,7 +18,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -327,21 +325,6 @@ class Engine:
         with self._wakeup:
             self._cancelled.add(request_id)
             self._wakeup.notify()
-
-    async def stream(self, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[Event]:
-        """Events as they come; closing the iterator early cancels the request."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
-        request_id = self.submit(prompt_ids, params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
-        finished = False
-        try:
-            while not finished:
-                event = await queue.get()
-                finished = event.finished
-                yield event
-        finally:
-            if not finished:
-                self.cancel(request_id)
 
     def generate(self, prompts: list[list[int]], params: list[GenerationParams] | GenerationParams) -> list[Completion]:
         """Run many requests to the end and return them in order (blocking)."""
