@@ -63,7 +63,7 @@ def main() -> int:
     runner = engine.runner
     try:
         request_ms = timed_ms(lambda: engine.generate([prompt], params), device, args.repeats)
-        with engine._wakeup:  # the loop is idle between requests; the runner is ours for a moment
+        with engine.scheduler.wakeup:  # the loop is idle between requests; the runner is ours for a moment
             runner.set_sampling(0, 0.0, 0, 1.0, 0)
             prefill_ms = timed_ms(lambda: runner.prefill([prompt], [0]), device, args.repeats)
             repeats = min(100, config.max_seq_len - args.prompt_tokens - 12)
