@@ -201,4 +201,4 @@ def test_an_engine_on_a_cpu_sizes_itself_and_says_so():
     engine = Engine(GPT2(preset("tiny")), byte_tokenizer(), EngineConfig(max_seq_len=32, dtype="fp32"))
     stats = engine.stats()
     assert (stats["max_batch_size"], stats["max_batch_size_reason"]) == (AUTO_CPU_BATCH_SIZE, "auto on a CPU: 16")
-    assert len(engine._slots) == AUTO_CPU_BATCH_SIZE
+    assert len(engine.scheduler.slots) == AUTO_CPU_BATCH_SIZE

@@ -298,11 +298,6 @@ class Engine:
         """Sequences a second the slots should start, for admission (Scheduler.drain_per_s)."""
         return self.scheduler.drain_per_s()
 
-    @property
-    def _slots(self) -> list[Sequence | None]:
-        """The scheduler's slots (tests/test_engine_config.py counts them)."""
-        return self.scheduler.slots
-
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
         scheduler, delivery = self.scheduler, self.delivery
