@@ -1,4 +1,5 @@
-"""`ray job submit` of a tiny run to a cluster started with `ray start --head` (token auth on)."""
+"""`ray job submit` of a tiny run to a cluster started with `ray start --head` (token auth on): jobs/train.py's happy
+path, its exit status and what it prints, as a user submits it."""
 
 from __future__ import annotations
 
@@ -118,7 +119,16 @@ def test_submitted_tiny_run_succeeds_and_leaves_a_checkpoint(ray_head: RayHead, 
     # The driver's py_modules (runtime.package_runtime_env) was merged with the job's working_dir.
     assert list((runtime_resources / "py_modules_files").glob("_ray_pkg_*/gpt2_platform/__init__.py"))
 
+    # What jobs/train.py prints at the end of a run (tests/test_train_cli.py has its refusals): no error line, the
+    # final step, and the exported model's directory.
+    printed = submitted.stdout.splitlines()
+    assert not [line for line in printed if line.startswith("error: ")], tail(submitted.stdout)
+    assert "final metrics: step=6" in submitted.stdout, tail(submitted.stdout)
+    (model_line,) = [line for line in printed if line.startswith("model (Hugging Face format): ")]
     run_dir = storage / "submitted"
+    assert Path(model_line.split(": ", 1)[1]).resolve() == (run_dir / FINAL_MODEL_DIR).resolve()
+    assert (run_dir / FINAL_MODEL_DIR / "config.json").is_file()
+    assert (run_dir / FINAL_MODEL_DIR / "model.safetensors").is_file()
     checkpoint = run_dir / "checkpoint_step_00000006"
     assert (checkpoint / WEIGHTS_NAME).is_file(), sorted(path.name for path in run_dir.iterdir())
     assert json.loads((checkpoint / TRAIN_STATE).read_text())["step"] == 6

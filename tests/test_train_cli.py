@@ -170,31 +170,5 @@ def test_more_workers_than_the_cluster_holds_exits_2(ray_cluster, capsys, storag
     assert_user_error(code, capsys, storage, "scaling.num_workers=8 workers", "room for 4 worker(s)")
 
 
-# ---- the happy path -----------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_a_short_run_exits_0_and_prints_the_exported_model(ray_cluster, corpus: Path, capsys, storage: Path) -> None:
-    code = train_main(
-        [
-            "--config", str(TINY_RECIPE),
-            "--set", f"data.paths=[{corpus}]",
-            "--set", f"run.storage_path={storage}",
-            "--set", "train.max_steps=4",
-            "--set", "train.log_every=2",
-            "--set", "train.eval_every=0",
-            "--set", "train.checkpoint_every=0",
-            "--set", "scaling.num_workers=1",
-            "--set", "data.block_size=32",
-            "--set", "train.micro_batch_size=4",
-            "--set", "train.grad_accum_steps=1",
-        ]
-    )  # fmt: skip
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "error:" not in out
-    (line,) = [line for line in out.splitlines() if line.startswith("model (Hugging Face format): ")]
-    model_dir = Path(line.split(": ", 1)[1])
-    assert model_dir.resolve() == (storage / "demo-tiny" / "model").resolve()
-    assert (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
-    assert "final metrics: step=4" in out
+# The happy path (exit 0, the final metrics and the exported model's directory printed) is tests/test_job_submit.py's:
+# the same main() run as a submitted job, one Ray Train run instead of two.
