@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,8 +37,11 @@ from gpt2_platform.batch.score import SCORE_PARAMS, log_likelihood, perplexity, 
 from gpt2_platform.batch.worker import EngineWorker, WorkerSpec
 from gpt2_platform.config_loader import ConfigError, build, load_tree
 from gpt2_platform.engine.config import EngineConfig
-from gpt2_platform.train.config import DataFormat
+from gpt2_platform.train.config import DataConfig, DataFormat
 from gpt2_platform.train.data import TOKENS_COLUMN
+
+if TYPE_CHECKING:
+    import ray.data
 
 logger = logging.getLogger(__name__)
 
@@ -167,92 +170,26 @@ def _validation_blocks(run) -> np.ndarray:
 
 def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
     """Score the held-out blocks with the model; return the perplexity, bits per byte and what they count."""
-    import ray
-    import ray.data
-    from ray.data import ActorPoolStrategy
-
     from gpt2_platform import checkpoint
     from gpt2_platform.batch import fingerprint
     from gpt2_platform.batch.generate import connect_and_plan_actors, resolve_adapter
     from gpt2_platform.batch.inputs import InputError
-    from gpt2_platform.train.config import DataConfig
-    from gpt2_platform.train.data import files_by_format, read_documents
 
     started = time.perf_counter()
-    model_dir = checkpoint.resolve(config.model.path)
-    if not (model_dir / checkpoint.CONFIG_NAME).is_file():
-        raise InputError(
-            f"model.path {config.model.path} holds no {checkpoint.CONFIG_NAME}; point it at a model directory"
-        )
+    model_dir, model, tokenizer = _resolve_model(config.model)
     context = config.engine.max_seq_len or checkpoint.read_config(model_dir).n_positions
-    model = str(model_dir.resolve()) if Path(config.model.path).expanduser().is_dir() else config.model.path
-    tokenizer = config.model.tokenizer
-    if tokenizer is not None and Path(tokenizer).expanduser().is_dir():
-        tokenizer = str(Path(tokenizer).expanduser().resolve())
     run = _training_run(Path(config.data.validation_of).expanduser()) if config.data.validation_of else None
-    block_size = config.data.block_size or (run.data.block_size if run is not None else context)
-    if run is not None and block_size != run.data.block_size:
-        raise ConfigError(
-            f"data.block_size={block_size} is not the run's data.block_size={run.data.block_size}: its validation "
-            "blocks are of the run's size; leave data.block_size unset"
-        )
-    if block_size > context:
-        raise ConfigError(
-            f"data.block_size={block_size} is over the engine's context of {context} tokens (a block of "
-            f"block_size + 1 tokens predicts block_size of them, as in training); lower data.block_size"
-        )
-    data = None
-    if run is None:
-        data = DataConfig(
-            paths=config.data.paths,
-            format=config.data.format,
-            text_column=config.data.text_column,
-            tokenizer=tokenizer or model,
-            block_size=block_size,
-        )
-        files_by_format(data)  # paths, formats, UTF-8 and the text column, before Ray starts
+    block_size = _block_size(config.data, run, context)
+    data = None if run is not None else _held_out_data(config.data, tokenizer or model, block_size)
     adapter, adapter_dir = resolve_adapter(config.model.adapter, model_dir, model)
     model_sha256 = fingerprint.identity_sha256(fingerprint.model_identity(model_dir, tokenizer, adapter_dir))
 
     num_actors, gpus_per_actor = connect_and_plan_actors(config.scaling)
-    spec = WorkerSpec(
-        model=model,
-        model_sha256=model_sha256,
-        tokenizer=tokenizer,
-        engine=config.engine,
-        device="cuda" if gpus_per_actor > 0 else "cpu",
-        # What the batch job's rows need, unused here: the actor only scores blocks.
-        input=InputConfig(),
-        generation=GenerationConfig(),
-        run_id="evaluate",
-        staging_dir="",
-        task="score",
-        adapter=adapter,
-    )
+    spec = _worker_spec(config, model, model_sha256, tokenizer, adapter, gpus_per_actor)
     with _data_context(config.progress_bars):
-        if run is not None:
-            blocks = ray.data.from_numpy(_validation_blocks(run)).rename_columns({"data": TOKENS_COLUMN})
-            source = f"the validation blocks of the training run {config.data.validation_of}"
-        else:
-            assert data is not None
-            blocks = ray.data.from_numpy(_pack_stream(read_documents(data), data.tokenizer, block_size))
-            blocks = blocks.rename_columns({"data": TOKENS_COLUMN})
-            source = ", ".join(config.data.paths)
+        blocks, source = _blocks(config.data, run, data, block_size)
         logger.info("scoring blocks of %d + 1 tokens from %s with %d actor(s)", block_size, source, num_actors)
-        scores = blocks.map_batches(
-            ScoreBlocks,
-            fn_constructor_kwargs={"spec": spec},
-            compute=ActorPoolStrategy(
-                size=num_actors,
-                max_concurrent_calls_per_actor=config.scaling.concurrent_batches_per_actor,
-                enable_true_multi_threading=True,
-            ),
-            batch_size=config.scaling.batch_size,
-            batch_format="numpy",
-            num_cpus=config.scaling.num_cpus_per_actor,
-            num_gpus=gpus_per_actor,
-        )
-        totals = _sum_scores(scores.iter_batches(batch_size=None, batch_format="numpy"))
+        totals = _score(blocks, spec, config.scaling, num_actors, gpus_per_actor)
     if not totals["blocks"]:
         raise InputError(
             f"the data holds fewer than block_size + 1 = {block_size + 1} tokens: no block to score; add text or "
@@ -277,6 +214,115 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
         "wall_s": round(wall_s, 3),
         "tokens_per_s": round(tokens / wall_s, 1),
     }
+
+
+def _resolve_model(model_config: ModelConfig) -> tuple[Path, str, str | None]:
+    """(the model's directory, the model and the tokenizer as the actors load them): a local one by its
+    absolute path."""
+    from gpt2_platform import checkpoint
+    from gpt2_platform.batch.inputs import InputError
+
+    model_dir = checkpoint.resolve(model_config.path)
+    if not (model_dir / checkpoint.CONFIG_NAME).is_file():
+        raise InputError(
+            f"model.path {model_config.path} holds no {checkpoint.CONFIG_NAME}; point it at a model directory"
+        )
+    model = str(model_dir.resolve()) if Path(model_config.path).expanduser().is_dir() else model_config.path
+    tokenizer = model_config.tokenizer
+    if tokenizer is not None and Path(tokenizer).expanduser().is_dir():
+        tokenizer = str(Path(tokenizer).expanduser().resolve())
+    return model_dir, model, tokenizer
+
+
+def _block_size(data_config: EvalDataConfig, run, context: int) -> int:
+    """data.block_size, or its default (the run's, or the engine's context), checked against both."""
+    block_size = data_config.block_size or (run.data.block_size if run is not None else context)
+    if run is not None and block_size != run.data.block_size:
+        raise ConfigError(
+            f"data.block_size={block_size} is not the run's data.block_size={run.data.block_size}: its validation "
+            "blocks are of the run's size; leave data.block_size unset"
+        )
+    if block_size > context:
+        raise ConfigError(
+            f"data.block_size={block_size} is over the engine's context of {context} tokens (a block of "
+            f"block_size + 1 tokens predicts block_size of them, as in training); lower data.block_size"
+        )
+    return block_size
+
+
+def _held_out_data(data_config: EvalDataConfig, tokenizer: str, block_size: int) -> DataConfig:
+    """The held-out text as training's data pipeline reads it, its files checked before Ray starts."""
+    from gpt2_platform.train.data import files_by_format
+
+    data = DataConfig(
+        paths=data_config.paths,
+        format=data_config.format,
+        text_column=data_config.text_column,
+        tokenizer=tokenizer,
+        block_size=block_size,
+    )
+    files_by_format(data)  # paths, formats, UTF-8 and the text column, before Ray starts
+    return data
+
+
+def _worker_spec(
+    config: EvaluateConfig,
+    model: str,
+    model_sha256: str,
+    tokenizer: str | None,
+    adapter: str | None,
+    gpus_per_actor: float,
+) -> WorkerSpec:
+    return WorkerSpec(
+        model=model,
+        model_sha256=model_sha256,
+        tokenizer=tokenizer,
+        engine=config.engine,
+        device="cuda" if gpus_per_actor > 0 else "cpu",
+        # What the batch job's rows need, unused here: the actor only scores blocks.
+        input=InputConfig(),
+        generation=GenerationConfig(),
+        run_id="evaluate",
+        staging_dir="",
+        task="score",
+        adapter=adapter,
+    )
+
+
+def _blocks(data_config: EvalDataConfig, run, data: DataConfig | None, block_size: int) -> tuple[ray.data.Dataset, str]:
+    """The blocks to score (a column of token ids) and where they come from, in words."""
+    import ray.data
+
+    from gpt2_platform.train.data import read_documents
+
+    if run is not None:
+        blocks = ray.data.from_numpy(_validation_blocks(run)).rename_columns({"data": TOKENS_COLUMN})
+        return blocks, f"the validation blocks of the training run {data_config.validation_of}"
+    assert data is not None
+    blocks = ray.data.from_numpy(_pack_stream(read_documents(data), data.tokenizer, block_size))
+    return blocks.rename_columns({"data": TOKENS_COLUMN}), ", ".join(data_config.paths)
+
+
+def _score(
+    blocks: ray.data.Dataset, spec: WorkerSpec, scaling: ScalingConfig, num_actors: int, gpus_per_actor: float
+) -> dict[str, Any]:
+    """Every block scored on the engine actors, summed (_sum_scores)."""
+    from ray.data import ActorPoolStrategy
+
+    scores = blocks.map_batches(
+        ScoreBlocks,
+        fn_constructor_kwargs={"spec": spec},
+        compute=ActorPoolStrategy(
+            size=num_actors,
+            max_concurrent_calls_per_actor=scaling.concurrent_batches_per_actor,
+            enable_true_multi_threading=True,
+        ),
+        batch_size=scaling.batch_size,
+        batch_format="numpy",
+        num_cpus=scaling.num_cpus_per_actor,
+        num_gpus=gpus_per_actor,
+    )
+    return _sum_scores(scores.iter_batches(batch_size=None, batch_format="numpy"))
 
 
 def _pack_stream(documents, tokenizer: str, block_size: int) -> np.ndarray:
