@@ -28,6 +28,27 @@ from gpt2_platform.runtime import init_ray  # noqa: E402
 
 
 def main() -> int:
+    args = _parse_args()
+    configure_logging()
+    init_ray(preload=ACTOR_IMPORTS)  # as the batch job starts its own (batch.generate.connect_and_plan_actors)
+    work = Path(tempfile.mkdtemp(prefix="bench-batch-"))
+    prompts = batch.write_prompts(
+        work / "prompts.parquet", args.num_prompts, args.min_prompt_tokens, args.max_prompt_tokens
+    )
+    model_dir = models.write_model(work / "model", args.preset)
+    settings = "".join(f", {setting}" for setting in args.set)  # in each row's name
+    rows = _our_runs(args, prompts, model_dir, work, settings)
+    if args.variable:
+        rows.append(_our_variable_run(args, model_dir, work, settings))
+    if not args.skip_naive:
+        rows.append(batch.naive_job(prompts, model_dir, work / "naive", args.new_tokens, args.naive_batch))
+    _print_table(args, rows)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt2")
     parser.add_argument("--num-prompts", type=int, default=10000)
@@ -54,18 +75,14 @@ def main() -> int:
         help="a batch-job setting for every run of ours (e.g. scaling.concurrent_batches_per_actor=4); repeatable",
     )
     parser.add_argument("--json-out", type=Path)
-    args = parser.parse_args()
-    configure_logging()
-    init_ray(preload=ACTOR_IMPORTS)  # as the batch job starts its own (batch.generate.connect_and_plan_actors)
-    work = Path(tempfile.mkdtemp(prefix="bench-batch-"))
-    prompts = batch.write_prompts(
-        work / "prompts.parquet", args.num_prompts, args.min_prompt_tokens, args.max_prompt_tokens
-    )
-    model_dir = models.write_model(work / "model", args.preset)
+    return parser.parse_args()
+
+
+def _our_runs(args: argparse.Namespace, prompts: Path, model_dir: Path, work: Path, settings: str) -> list[dict]:
+    """Our job at each --engine-batch, the first one --repeat times; each row printed as it finishes."""
     max_seq_len = args.max_prompt_tokens + args.new_tokens
     runs = [(args.engine_batch[0], f" run {i + 1}" if args.repeat > 1 else "") for i in range(args.repeat)]
     runs += [(size, "") for size in args.engine_batch[1:]]
-    settings = "".join(f", {setting}" for setting in args.set)  # in each row's name
     rows = []
     for i, (size, label) in enumerate(runs):
         rows.append(
@@ -82,33 +99,37 @@ def main() -> int:
             )
         )
         print(f"ours: {rows[-1]}", flush=True)
-    if args.variable:
-        low, high = args.variable_range
-        varied = batch.write_prompts(
-            work / "prompts-variable.parquet",
-            args.num_prompts,
-            args.min_prompt_tokens,
-            args.max_prompt_tokens,
-            new_tokens_range=(low, high),
-        )
-        size = args.engine_batch[-1]
-        rows.append(
-            batch.our_job(
-                varied,
-                model_dir,
-                work / "ours-variable",
-                high,
-                size,
-                args.max_prompt_tokens + high,
-                args.compile,
-                per_row_max_tokens=True,
-                label=f", max_tokens {low}-{high} per row{settings}",
-                overrides=args.set,
-            )
-        )
-        print(f"ours: {rows[-1]}", flush=True)
-    if not args.skip_naive:
-        rows.append(batch.naive_job(prompts, model_dir, work / "naive", args.new_tokens, args.naive_batch))
+    return rows
+
+
+def _our_variable_run(args: argparse.Namespace, model_dir: Path, work: Path, settings: str) -> dict:
+    """Our job at the last --engine-batch over prompts that each ask for their own max_tokens (--variable-range)."""
+    low, high = args.variable_range
+    varied = batch.write_prompts(
+        work / "prompts-variable.parquet",
+        args.num_prompts,
+        args.min_prompt_tokens,
+        args.max_prompt_tokens,
+        new_tokens_range=(low, high),
+    )
+    row = batch.our_job(
+        varied,
+        model_dir,
+        work / "ours-variable",
+        high,
+        args.engine_batch[-1],
+        args.max_prompt_tokens + high,
+        args.compile,
+        per_row_max_tokens=True,
+        label=f", max_tokens {low}-{high} per row{settings}",
+        overrides=args.set,
+    )
+    print(f"ours: {row}", flush=True)
+    return row
+
+
+def _print_table(args: argparse.Namespace, rows: list[dict]) -> None:
+    """The jobs as a Markdown table, then each run of ours against the naive job's wall time."""
     print(
         f"{args.num_prompts} prompts of {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens, "
         f"{args.new_tokens} new tokens, {args.preset}"
@@ -124,9 +145,6 @@ def main() -> int:
         naive = rows[-1]
         for ours in rows[:-1]:  # each run of ours: the first pays cold caches, a --repeat finds them
             print(f"{ours['job']}: {naive['wall_s'] / ours['wall_s']:.1f}x the naive job's wall time")
-    if args.json_out:
-        args.json_out.write_text(json.dumps(rows, indent=2))
-    return 0
 
 
 if __name__ == "__main__":
