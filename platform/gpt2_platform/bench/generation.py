@@ -246,44 +246,14 @@ def run(
     )
     # Greedy only: warming the sampling modes too would triple a compiled engine's warm-up.
     engine = Engine(model, byte_tokenizer(), config, device=device).start(modes=("greedy",))
-    rows = []
     try:
-        sizes = sorted({1, *batch_sizes})
-        latency = {b: decode_step_latency(engine, b, prompt_tokens) for b in sizes}
-        # From the same position, in the same span bucket as the one-at-a-time steps.
-        repeats = min(200, max_seq_len - prompt_tokens - 12)
-        pipelined = {b: pipelined_step_latency(engine, b, prompt_tokens, repeats) for b in sizes}
-        with_logprobs = (
-            {b: pipelined_step_latency(engine, b, prompt_tokens, repeats, logprobs=True) for b in sizes}
-            if logprobs
-            else {}
-        )
-        # The timed steps' mean context: they run from position prompt_tokens + 10 on, one position a step.
-        context = prompt_tokens + 10 + (repeats + 1) / 2
-        traffic = {b: step_bytes(model, b, context, dtype) for b in sizes}
-        for batch in batch_sizes:
-            ours = engine_generate(engine, prompts[batch], new_tokens, runs)
-            if engine_only:
-                rows.append(asdict(ours))
-                logger.info("batch %d: engine %.0f tokens/s", batch, ours.tokens_per_s)
-                continue
-            rows += [asdict(theirs[batch]), asdict(ours)]
-            logger.info(
-                "batch %d: transformers %.0f tokens/s, engine %.0f tokens/s (%.1fx)",
-                batch,
-                theirs[batch].tokens_per_s,
-                ours.tokens_per_s,
-                ours.tokens_per_s / theirs[batch].tokens_per_s,
-            )
+        steps = _step_timings(engine, model, sorted({1, *batch_sizes}), prompt_tokens, max_seq_len, dtype, logprobs)
+        rows = _generation_rows(engine, prompts, theirs, batch_sizes, new_tokens, runs, engine_only)
     finally:
         engine.shutdown()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {
-        "decode_step_ms": latency,
-        "pipelined_decode_step_ms": pipelined,
-        "pipelined_context": context,
-        "pipelined_with_logprobs_ms": with_logprobs,
-        "step_bytes": traffic,
+        **steps,
         "copy_rate_gbps": copy_rate_gbps(device),
         "peak_memory_gib": peak,
         "engine_only": engine_only,
@@ -293,6 +263,63 @@ def run(
         "decode_kernels": "torch" if engine.runner.decoder is None else "triton",
         "runs": runs,
     }
+
+
+def _step_timings(
+    engine: Engine,
+    model: GPT2,
+    sizes: list[int],
+    prompt_tokens: int,
+    max_seq_len: int,
+    dtype: torch.dtype,
+    logprobs: bool,
+) -> dict:
+    """Decode-step milliseconds at each batch size, one at a time and pipelined (and with log-probabilities
+    when asked), and the bytes a step must read."""
+    latency = {b: decode_step_latency(engine, b, prompt_tokens) for b in sizes}
+    # From the same position, in the same span bucket as the one-at-a-time steps.
+    repeats = min(200, max_seq_len - prompt_tokens - 12)
+    pipelined = {b: pipelined_step_latency(engine, b, prompt_tokens, repeats) for b in sizes}
+    with_logprobs = (
+        {b: pipelined_step_latency(engine, b, prompt_tokens, repeats, logprobs=True) for b in sizes} if logprobs else {}
+    )
+    # The timed steps' mean context: they run from position prompt_tokens + 10 on, one position a step.
+    context = prompt_tokens + 10 + (repeats + 1) / 2
+    return {
+        "decode_step_ms": latency,
+        "pipelined_decode_step_ms": pipelined,
+        "pipelined_context": context,
+        "pipelined_with_logprobs_ms": with_logprobs,
+        "step_bytes": {b: step_bytes(model, b, context, dtype) for b in sizes},
+    }
+
+
+def _generation_rows(
+    engine: Engine,
+    prompts: dict[int, torch.Tensor],
+    theirs: dict[int, GenerationMeasurement],
+    batch_sizes: list[int],
+    new_tokens: int,
+    runs: int,
+    engine_only: bool,
+) -> list[dict]:
+    """The engine's generation at each batch size, after transformers' (unless engine_only), logged as it goes."""
+    rows: list[dict] = []
+    for batch in batch_sizes:
+        ours = engine_generate(engine, prompts[batch], new_tokens, runs)
+        if engine_only:
+            rows.append(asdict(ours))
+            logger.info("batch %d: engine %.0f tokens/s", batch, ours.tokens_per_s)
+            continue
+        rows += [asdict(theirs[batch]), asdict(ours)]
+        logger.info(
+            "batch %d: transformers %.0f tokens/s, engine %.0f tokens/s (%.1fx)",
+            batch,
+            theirs[batch].tokens_per_s,
+            ours.tokens_per_s,
+            ours.tokens_per_s / theirs[batch].tokens_per_s,
+        )
+    return rows
 
 
 def as_markdown(result: dict) -> str:
