@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 
 from gpt2_platform.batch import fingerprint
 from gpt2_platform.batch import output as output_lib
-from gpt2_platform.batch.config import GenerateConfig, ScalingConfig
+from gpt2_platform.batch.config import GenerateConfig, ModelConfig, ScalingConfig
 from gpt2_platform.batch.inputs import InputError, InputFile, check_input, find_input_files
 from gpt2_platform.batch.rows import MODERATION_KINDS, output_schema
 from gpt2_platform.batch.score import score_schema
@@ -194,25 +194,12 @@ def new_run_id() -> str:
 def run_generation(config: GenerateConfig) -> dict[str, Any]:
     """Generate a completion for (task score: score) every input row not yet in the output; return (and save)
     the summary."""
-    from gpt2_platform import checkpoint
-
     started = time.perf_counter()
     files = find_input_files(config.input.paths)
     check_input(files, config)
     # Read the blocklist and import the callable now, on the driver: a mistake stops the job before Ray starts.
     moderator = build_moderator(config.moderation)
-    model_dir = checkpoint.resolve(config.model.path)
-    if not (model_dir / checkpoint.CONFIG_NAME).is_file():
-        raise InputError(
-            f"model.path {config.model.path} holds no {checkpoint.CONFIG_NAME}; point it at a model directory"
-        )
-    checkpoint.read_config(model_dir)  # a variant the model does not implement stops the job before Ray starts
-    # A local model (and tokenizer) by its absolute path: workers (and a job's temporary working dir) may not
-    # share our cwd.
-    model = str(model_dir.resolve()) if Path(config.model.path).expanduser().is_dir() else config.model.path
-    tokenizer = config.model.tokenizer
-    if tokenizer is not None and Path(tokenizer).expanduser().is_dir():
-        tokenizer = str(Path(tokenizer).expanduser().resolve())
+    model_dir, model, tokenizer = _resolve_model(config.model)
     adapter, adapter_dir = resolve_adapter(config.model.adapter, model_dir, model)
     num_input_rows = sum(f.num_rows for f in files)
     directory = output_directory(config.output.path)
@@ -222,36 +209,15 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
     resumed = output_lib.open_output(directory, job_identity(files, config, model_id, moderator), columns)
     run_id = new_run_id()
     with exclusive(directory):
-        done: set[str] = set()
-        if resumed:
-            done = output_lib.committed_ids(directory)
-            salvaged = output_lib.commit_staged(directory, done, columns)
-            logger.info("resuming: %d rows already done (%d from an interrupted run)", len(done), salvaged)
+        done = _resume(directory, columns) if resumed else set()
         num_actors, gpus_per_actor = 0, 0.0
         if len(done) < num_input_rows:
             num_actors, gpus_per_actor = connect_and_plan_actors(config.scaling)
-            spec = WorkerSpec(
-                model=model,
-                model_sha256=model_sha256,
-                tokenizer=tokenizer,
-                engine=config.engine,
-                device="cuda" if gpus_per_actor > 0 else "cpu",
-                input=config.input,
-                generation=config.generation,
-                run_id=run_id,
-                staging_dir=str(directory / output_lib.STAGING_NAME / run_id),
-                moderator=moderator,
-                task=config.task,
-                profile=config.profile,
-                adapter=adapter,
+            spec = _worker_spec(
+                config, model, model_sha256, tokenizer, adapter, moderator, run_id, directory, gpus_per_actor
             )
-            logger.info(
-                "%s %d rows with %d actor(s) into %s",
-                "scoring" if config.task == "score" else "generating",
-                num_input_rows - len(done),
-                num_actors,
-                directory,
-            )
+            verb = "scoring" if config.task == "score" else "generating"
+            logger.info("%s %d rows with %d actor(s) into %s", verb, num_input_rows - len(done), num_actors, directory)
             _generate(config, files, spec, done, num_actors, gpus_per_actor)
             output_lib.commit_staged(directory, done, columns)
         wall_s = time.perf_counter() - started
@@ -268,16 +234,8 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
             "num_actors": num_actors,
             "gpus_per_actor": gpus_per_actor,
             "wall_s": round(wall_s, 3),
+            **_rates(config.task, stats, wall_s),
         }
-        if config.task == "score":
-            summary["prompt_tokens_per_s"] = round(stats["prompt_tokens_this_run"] / wall_s, 1)
-        else:
-            # Also in errors and errors_by_kind: a blocked row is an error row.
-            summary["moderation_blocked"] = sum(stats["errors_by_kind"].get(kind, 0) for kind in MODERATION_KINDS)
-            summary["completion_tokens_per_s"] = round(stats["completion_tokens_this_run"] / wall_s, 1)
-            summary["total_tokens_per_s"] = round(
-                (stats["prompt_tokens_this_run"] + stats["completion_tokens_this_run"]) / wall_s, 1
-            )
         output_lib.write_json_atomically(directory / output_lib.SUMMARY_NAME, summary)
     if stats["rows"] != num_input_rows or stats["unique_ids"] != stats["rows"]:
         raise RuntimeError(
@@ -285,6 +243,76 @@ def run_generation(config: GenerateConfig) -> dict[str, Any]:
             "run the job again to finish it"
         )
     return summary
+
+
+def _resolve_model(model_config: ModelConfig) -> tuple[Path, str, str | None]:
+    """(the model's directory, the model and the tokenizer as the actors load them), checked on the driver."""
+    from gpt2_platform import checkpoint
+
+    model_dir = checkpoint.resolve(model_config.path)
+    if not (model_dir / checkpoint.CONFIG_NAME).is_file():
+        raise InputError(
+            f"model.path {model_config.path} holds no {checkpoint.CONFIG_NAME}; point it at a model directory"
+        )
+    checkpoint.read_config(model_dir)  # a variant the model does not implement stops the job before Ray starts
+    # A local model (and tokenizer) by its absolute path: workers (and a job's temporary working dir) may not
+    # share our cwd.
+    model = str(model_dir.resolve()) if Path(model_config.path).expanduser().is_dir() else model_config.path
+    tokenizer = model_config.tokenizer
+    if tokenizer is not None and Path(tokenizer).expanduser().is_dir():
+        tokenizer = str(Path(tokenizer).expanduser().resolve())
+    return model_dir, model, tokenizer
+
+
+def _worker_spec(
+    config: GenerateConfig,
+    model: str,
+    model_sha256: str,
+    tokenizer: str | None,
+    adapter: str | None,
+    moderator: Moderator | None,
+    run_id: str,
+    directory: Path,
+    gpus_per_actor: float,
+) -> WorkerSpec:
+    """What each actor is sent: the model, the job's settings and where this run stages its rows."""
+    return WorkerSpec(
+        model=model,
+        model_sha256=model_sha256,
+        tokenizer=tokenizer,
+        engine=config.engine,
+        device="cuda" if gpus_per_actor > 0 else "cpu",
+        input=config.input,
+        generation=config.generation,
+        run_id=run_id,
+        staging_dir=str(directory / output_lib.STAGING_NAME / run_id),
+        moderator=moderator,
+        task=config.task,
+        profile=config.profile,
+        adapter=adapter,
+    )
+
+
+def _resume(directory: Path, columns: list[str]) -> set[str]:
+    """The ids already in the output, with the rows an interrupted run left staged committed first."""
+    done = output_lib.committed_ids(directory)
+    salvaged = output_lib.commit_staged(directory, done, columns)
+    logger.info("resuming: %d rows already done (%d from an interrupted run)", len(done), salvaged)
+    return done
+
+
+def _rates(task: str, stats: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """The summary's tokens per second for the task (and, for generate, the rows moderation blocked)."""
+    if task == "score":
+        return {"prompt_tokens_per_s": round(stats["prompt_tokens_this_run"] / wall_s, 1)}
+    return {
+        # Also in errors and errors_by_kind: a blocked row is an error row.
+        "moderation_blocked": sum(stats["errors_by_kind"].get(kind, 0) for kind in MODERATION_KINDS),
+        "completion_tokens_per_s": round(stats["completion_tokens_this_run"] / wall_s, 1),
+        "total_tokens_per_s": round(
+            (stats["prompt_tokens_this_run"] + stats["completion_tokens_this_run"]) / wall_s, 1
+        ),
+    }
 
 
 def _generate(
