@@ -14,6 +14,7 @@ import torch
 
 from gpt2_platform import checkpoint, demo_data
 from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, GenerationParams
+from gpt2_platform.engine.messages import FINAL_ONLY, SubmitRequest
 from gpt2_platform.engine.requests import Event
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.model import GPT2, preset
@@ -373,6 +374,22 @@ def test_a_sinks_sequences_send_one_record_per_token_and_their_end_as_events_wou
     assert max(sum(r[0] == 2 for r in message) for message in sink.messages) <= 2
     (end,) = ends
     assert end.finish_reason == "length" and end.token_ids == [] and end.completion_tokens == 17
+
+
+def test_a_typed_request_gets_records_per_token_as_delta_and_in_one_run_at_its_end_as_final(engine, tokenizer):
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    lengths = [1, 17]
+    delta, final = RecordingSink(), RecordingSink()
+    for key, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add_request(SubmitRequest(key, prompt, greedy(n)), delta)
+        engine.add_request(SubmitRequest(key, prompt, greedy(n), FINAL_ONLY), final)
+    for sink in (delta, final):
+        assert wait_until(lambda s=sink: sum(r[2] is not None for m in s.messages for r in m) == 2, timeout_s=30)
+    for key in range(2):
+        streamed = [r for m in delta.messages for r in m if r[0] == key]
+        (message,) = [m for m in final.messages if any(r[0] == key for r in m)]  # a final one's come together
+        assert [r for r in message if r[0] == key] == streamed
+        assert [r[2] for r in streamed] == [None] * (lengths[key] - 1) + ["length"]
 
 
 def test_stats_split_a_first_tokens_wait_into_queue_and_prefill(engine, tokenizer):

@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from gpt2_platform.engine.buffers import Launch  # noqa: E402
 from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
+from gpt2_platform.engine.messages import DELTA, FINAL_ONLY, OutputKind, SubmitRequest  # noqa: E402
 from gpt2_platform.engine.sampling import SamplingParams  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
 from gpt2_platform.tokenizer import byte_tokenizer  # noqa: E402
@@ -59,7 +60,9 @@ class Sink:
         return True
 
 
-def measure(sequences: int, tokens: int, incremental: bool, stop: tuple[str, ...], sink: bool = False) -> float:
+def measure(
+    sequences: int, tokens: int, incremental: bool, stop: tuple[str, ...], sink: bool, output_kind: OutputKind
+) -> float:
     engine = Engine(GPT2(preset("tiny")), byte_tokenizer(), EngineConfig(max_batch_size=sequences, dtype="fp32"))
     instant_runner(engine)
     engine.start(warmup=False)
@@ -70,8 +73,8 @@ def measure(sequences: int, tokens: int, incremental: bool, stop: tuple[str, ...
         started = time.perf_counter()
         if sink:
             to = Sink()
-            for prompt in prompts:
-                engine.submit(prompt, params, None, tokens_only=True, sink=to)
+            for key, prompt in enumerate(prompts):
+                engine.add_request(SubmitRequest(key, prompt, params, output_kind), to)
             while to.finished < sequences:
                 time.sleep(0.001)
         elif incremental:
@@ -98,8 +101,11 @@ def main() -> int:
         ("every token, streamed (serving)", True, ()),
         ("every token, with two stop strings", True, ("\n\n", "END")),
         ("every token to a token sink (served over a token link)", True, ()),
+        ("one run at the end to a token sink (final only over a token link)", False, ()),
     ):
-        per_token = measure(args.sequences, args.tokens, incremental, stop, sink=name.endswith("link)"))
+        sink = name.endswith("link)")
+        kind = FINAL_ONLY if name.startswith("one run") else DELTA
+        per_token = measure(args.sequences, args.tokens, incremental, stop, sink, kind)
         print(f"| {name} | {per_token:.2f} | {per_token * args.sequences / 1000:.2f} |")
     return 0
 

@@ -167,9 +167,14 @@ class Delivery:
         """End a sequence: free its slot and hand out its last output, with how it ended."""
         self.scheduler.free(sequence)
         self.num_finished += 1
-        if sequence.sink is not None:
-            sequence.sink.add(self._record(sequence, token_ids[0] if token_ids else -1, reason, error))
-            self._sinks.add(sequence.sink)
+        sink = sequence.sink
+        if sink is not None:
+            if sequence.quiet and sequence.generated:  # a final-only sequence: all its records in one run
+                key, generated = sequence.sink_key, sequence.generated
+                sink.pending.extend([(key, token, None, None) for token in generated[:-1]])
+                token_ids = generated[-1:]  # with its end-of-text token, as a delta sequence's last record
+            sink.add(self._record(sequence, token_ids[0] if token_ids else -1, reason, error))
+            self._sinks.add(sink)
             if sequence.on_event is None:
                 return
             token_ids = []  # the sink has the tokens; on_event hears only of the end

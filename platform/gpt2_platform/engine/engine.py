@@ -28,6 +28,7 @@ from gpt2_platform.engine.admission import Admission, Refusal
 from gpt2_platform.engine.config import SAMPLING_MODES
 from gpt2_platform.engine.delivery import Delivery
 from gpt2_platform.engine.detokenize import ByteTable, TableTokenizer
+from gpt2_platform.engine.messages import FINAL_ONLY, SubmitRequest
 from gpt2_platform.engine.output import TextOutput
 from gpt2_platform.engine.requests import (
     Completion,
@@ -191,22 +192,50 @@ class Engine:
         sequence is quiet: `on_event` gets one event, at the end, with every token and no text (the
         consumer decodes it; `generate()` does), and the engine spends no Python on it per token.
         """
-        self.check_health()
-        sampling = params.sampling.resolved()
-        assert sampling.seed is not None
-        params = dataclasses.replace(params, stop=tuple(params.stop), sampling=sampling)
-        self.validate(prompt_ids, params)
+        params = self._checked(prompt_ids, params)
         assert on_event is not None or sink is not None, "a sequence needs an on_event or a sink"
         plain = not (params.stop or params.echo or params.logprobs is not None)
         quiet = final_only and plain and not tokens_only and sink is None
         output = None
         if not tokens_only and sink is None and not quiet:
             output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
+        return self._queue(prompt_ids, params, on_event, output, sink, sink_key, quiet)
+
+    def add_request(self, request: SubmitRequest, sink: TokenSink) -> int:
+        """The core's entry: queue `request`'s sequence, its output to `sink` as records under `request.key`
+        (engine/requests.py, TokenRecord). "delta": a record per token as it comes. "final": the sequence is
+        held quietly (its tokens taken in a step at a time with numpy, no Python per token) and its records
+        come in one run at its end; one asking for log-probabilities or echo goes as "delta". No text here:
+        the engine ends a sequence at end-of-text, its token budget or a cancel, and stop strings are the
+        consumer's (engine/output.py's TextOutput). `admission` and `link` are the engine process's."""
+        params = self._checked(request.prompt_ids, request.params)
+        quiet = request.output_kind == FINAL_ONLY and not (params.echo or params.logprobs is not None)
+        return self._queue(request.prompt_ids, params, None, None, sink, request.key, quiet)
+
+    def _checked(self, prompt_ids: list[int], params: GenerationParams) -> GenerationParams:
+        """`params` with the sampling seed resolved; ValueError for a request the engine cannot take."""
+        self.check_health()
+        sampling = params.sampling.resolved()
+        assert sampling.seed is not None
+        params = dataclasses.replace(params, stop=tuple(params.stop), sampling=sampling)
+        self.validate(prompt_ids, params)
+        return params
+
+    def _queue(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        on_event: Callable[[Event], None] | None,
+        output: TextOutput | None,
+        sink: TokenSink | None,
+        sink_key: int,
+        quiet: bool,
+    ) -> int:
         stop_token = -1 if params.ignore_eos or self.eos_token_id is None else self.eos_token_id
         sequence = Sequence(
             next(self._ids), list(prompt_ids), params, on_event, output, sink, sink_key,
             max_tokens=params.max_tokens, stop_token=stop_token, quiet=quiet, submitted_at=time.perf_counter(),
-            logprobs=None if params.logprobs is None else LogprobStream(), seed=sampling.seed,
+            logprobs=None if params.logprobs is None else LogprobStream(), seed=params.sampling.seed or 0,
         )  # fmt: skip
         self.scheduler.add(sequence)
         return sequence.request_id

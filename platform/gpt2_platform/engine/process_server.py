@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, cast
 from gpt2_platform import gc_pauses
 from gpt2_platform.engine.link import Address, Outlet
 from gpt2_platform.engine.messages import (
+    DELTA,
     FINAL_ONLY,
     Cancel,
     Connect,
@@ -34,7 +35,7 @@ from gpt2_platform.engine.messages import (
     SubmitRequest,
 )
 from gpt2_platform.engine.process import ENGINE_PROCESS_NAME, EngineSpec
-from gpt2_platform.engine.requests import Deliver, EngineDeadError, Event, GenerationParams
+from gpt2_platform.engine.requests import Deliver, EngineDeadError, Event
 
 if TYPE_CHECKING:
     from gpt2_platform.engine.engine import Engine
@@ -96,7 +97,7 @@ class _Outlets:
             outlet.send_now(StepOutput.ended(request.key, "refused", refused, None))
             return
         try:
-            _submit_to_outlet(self.engine, outlet, request.key, request.prompt_ids, request.params, None)
+            _submit_to_outlet(self.engine, outlet, request, None)
         except (ValueError, EngineDeadError) as error:  # the ingress validated; this is the engine refusing
             outlet.send_now(StepOutput.ended(request.key, "error", f"engine refused: {error}", None))
 
@@ -261,18 +262,19 @@ def _serve_commands(
 
 
 def _submit_to_outlet(
-    engine: Engine,
-    outlet: Outlet,
-    key: int,
-    prompt_ids: list[int],
-    params: GenerationParams,
-    on_event: Callable[[Event], None] | None,
+    engine: Engine, outlet: Outlet, request: SubmitRequest, on_event: Callable[[Event], None] | None
 ) -> int:
-    """A sequence whose tokens go to `outlet` under `key`, known to the outlet by its engine id (for the
-    ingress's cancels) from before the engine can finish it: its last record removes the key."""
-    outlet.expect(key, params.logprobs is not None)
+    """A sequence whose tokens go to `outlet` under `request.key`, known to the outlet by its engine id (for
+    the ingress's cancels) from before the engine can finish it: its last record removes the key. With
+    `on_event` (a sequence the parent sent, naming the link) the parent hears of its end too."""
+    key = request.key
+    outlet.expect(key, request.params.logprobs is not None)
     try:
-        engine_id = engine.submit(prompt_ids, params, on_event, tokens_only=True, sink=outlet, sink_key=key)
+        if on_event is None:
+            engine_id = engine.add_request(request, outlet)
+        else:
+            prompt_ids, params = request.prompt_ids, request.params
+            engine_id = engine.submit(prompt_ids, params, on_event, tokens_only=True, sink=outlet, sink_key=key)
     except BaseException:
         outlet.forget(key)  # refused: nothing in flight for this key
         raise
@@ -306,6 +308,7 @@ def _submit(
             engine_ids[key] = engine.submit(prompt_ids, params, tag, tokens_only=tokens_only, final_only=final_only)
         else:
             outlet = outlets.get(request.link.address, request.link.authkey)
-            engine_ids[key] = _submit_to_outlet(engine, outlet, request.link.key, prompt_ids, params, tag)
+            linked = request._replace(key=request.link.key, output_kind=DELTA)
+            engine_ids[key] = _submit_to_outlet(engine, outlet, linked, tag)
     except (ValueError, EngineDeadError, OSError) as error:  # the parent validated; this is the engine refusing
         send(StepOutput.ended(key, "error", f"engine refused: {error}").wire())
