@@ -129,9 +129,12 @@ def test_stop_strings_end_the_text_before_the_stop(engine, tokenizer):
     (full,) = engine.generate([prompt], greedy(30))
     # A two-character stop string that first occurs a few characters in.
     stop = next(full.text[i : i + 2] for i in range(3, 25) if full.text.index(full.text[i : i + 2]) == i)
-    (stopped,) = engine.generate([prompt], greedy(30, stop=(stop,)))
+    before = engine.stats()["generated_tokens"]
+    (stopped,) = engine.generate([prompt], greedy(60, stop=(stop,)))
     assert stopped.finish_reason == "stop"
     assert stopped.text == full.text[: full.text.index(stop)]
+    # The engine makes no text: generate's consumer finds the stop string and cancels the sequence.
+    assert engine.stats()["generated_tokens"] - before < 40
 
 
 def test_eos_ends_a_request_unless_ignored(model, tokenizer):

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpt2_platform.engine.admission import Admission, Refusal
+from gpt2_platform.engine.collect import CompletionSink
 from gpt2_platform.engine.config import SAMPLING_MODES
 from gpt2_platform.engine.delivery import Delivery
 from gpt2_platform.engine.detokenize import ByteTable, TableTokenizer
-from gpt2_platform.engine.messages import FINAL_ONLY, SubmitRequest
+from gpt2_platform.engine.messages import DELTA, FINAL_ONLY, SubmitRequest
 from gpt2_platform.engine.output import TextOutput
 from gpt2_platform.engine.requests import (
     Completion,
@@ -245,50 +246,19 @@ class Engine:
         self.scheduler.cancel(request_id)
 
     def generate(self, prompts: list[list[int]], params: list[GenerationParams] | GenerationParams) -> list[Completion]:
-        """Run many requests to the end and return them in order (blocking)."""
+        """Run many requests to the end and return them in order (blocking); their text is made on this
+        thread (engine/collect.py), but for stop strings, cut on the engine's as their tokens come."""
         if isinstance(params, GenerationParams):
             params = [params] * len(prompts)
-        done = threading.Semaphore(0)
-        results: dict[int, list[Event]] = {}
-
-        def collect(event: Event) -> None:
-            results.setdefault(event.request_id, []).append(event)
-            if event.finished:
-                done.release()
-
-        ids = [
-            self.submit(prompt, p, collect, incremental_text=False, final_only=True)
-            for prompt, p in zip(prompts, params, strict=True)
-        ]
-        for _ in ids:
-            while not done.acquire(timeout=1.0):
-                self.check_health()
-        completions = [self._completion(results[i]) for i in ids]
-        # Quiet sequences: the text is ours to decode, on this thread. Through the byte table where there is one
-        # (it decodes as the tokenizer does, checked when built): a batch job decodes a whole block's
-        # completions here at once, and the tokenizer's per-call conversions held the GIL, which the engine's
-        # thread needs every step, for most of that time (py-spy --gil of the job's actor, docs/benchmarks.md).
-        decode = self.tokenizer.decode if self.byte_table is None else self.byte_table.decode
-        for completion, p in zip(completions, params, strict=True):
-            if not p.stop and completion.error is None:
-                completion.text = decode(completion.token_ids)
-        return completions
-
-    @staticmethod
-    def _completion(events: list[Event]) -> Completion:
-        last = events[-1]
-        asked = any(e.logprobs is not None for e in events)
-        return Completion(
-            prompt_logprobs=next((e.prompt_logprobs for e in events if e.prompt_logprobs is not None), None),
-            logprobs=[lp for e in events for lp in e.logprobs or ()] if asked else None,
-            token_ids=[t for e in events for t in e.token_ids],
-            text="".join(e.text for e in events),
-            finish_reason=last.finish_reason or "error",
-            prompt_tokens=last.prompt_tokens,
-            completion_tokens=last.completion_tokens,
-            seed=last.seed,
-            error=last.error,
-        )
+        if not prompts:
+            return []
+        params = [dataclasses.replace(p, sampling=p.sampling.resolved()) for p in params]  # Completion.seed
+        sink = CompletionSink(self.tokenizer, self.byte_table, self.eos_token_id, params, self.cancel)
+        for key, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            sink.started(self.add_request(SubmitRequest(key, prompt, p, DELTA if p.stop else FINAL_ONLY), sink))
+        while not sink.wait(timeout_s=1.0):
+            self.check_health()
+        return sink.completions(prompts)
 
     def stats(self) -> dict:
         """Counters since start. `queue_s` and `first_token_s` sum, over the `first_tokens` sequences that
