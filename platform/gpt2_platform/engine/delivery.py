@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from itertools import repeat
 
 import numpy as np
 
@@ -171,7 +172,7 @@ class Delivery:
         if sink is not None:
             if sequence.quiet and sequence.generated:  # a final-only sequence: all its records in one run
                 key, generated = sequence.sink_key, sequence.generated
-                sink.pending.extend([(key, token, None, None) for token in generated[:-1]])
+                sink.pending.extend(zip(repeat(key), generated[:-1], repeat(None), repeat(None)))  # tuples made in C
                 token_ids = generated[-1:]  # with its end-of-text token, as a delta sequence's last record
             sink.add(self._record(sequence, token_ids[0] if token_ids else -1, reason, error))
             self._sinks.add(sink)
