@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
 
@@ -23,6 +24,17 @@ EOS = 256
 BLOCK_SIZE = 32
 WIDTH = BLOCK_SIZE + 1
 BATCH_DOCS = 256  # TokenizeAndPack's map_batches batch size
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_parquet_footer_reader() -> Iterator[None]:
+    """Ray Data reads Parquet footers on a pool of RAY_DATA_PARQUET_FOOTER_NUM_ACTORS actors (32) that each
+    read starts, though it gives one actor every 10 files: these reads have at most 3. The other 31 processes
+    cost each read seconds on a 2-CPU machine and change nothing it returns. (Read in the driver, by
+    read_parquet.)"""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
+        yield
 
 
 def build(paths: list[Path | str], min_train_blocks: int = 1, vocab_size: int = VOCAB_SIZE, **fields) -> Datasets:
