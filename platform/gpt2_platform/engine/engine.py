@@ -4,8 +4,11 @@ One background thread owns the model. Each iteration it admits waiting
 requests into free cache slots (a batched prefill that yields their first
 token), then runs one decode step for every running sequence. A request joins
 at the next step and leaves the step it finishes, so nobody waits for a batch
-to drain. Consumers submit from any thread and get events back through a
-callback; `generate()` wraps that to block (Ray Data).
+to drain. Consumers submit from any thread: `add_request` takes the typed request
+(engine/messages.py) and puts token records into a sink, no text; `generate()`
+blocks on a block of them (Ray Data), its text made by engine/collect.py. The
+older `submit`, with events and text through a callback, serves the in-process
+text users until they move onto the typed entry too.
 
 This module is the facade and the loop; the slots' bookkeeping is scheduler.py's, the per-step output
 delivery.py's, and what `auto` settings resolve to resolve.py's.
