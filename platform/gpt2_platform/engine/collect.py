@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from itertools import groupby
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from gpt2_platform.engine.detokenize import ByteTable
@@ -61,6 +63,7 @@ class CompletionSink:
         self._cancel = cancel
         self._ids_lock = threading.Lock()
         self._received: list[TokenRecord] = []
+        self._runs: dict[int, list[int]] = {}  # key -> a final-only sequence's tokens before its last record
         self._num_ended = 0
         self._done = threading.Event()
 
@@ -72,6 +75,11 @@ class CompletionSink:
             stopped = key in self._to_cancel
         if stopped:
             self._cancel(engine_id)
+
+    def add_run(self, key: int, tokens: list[int]) -> None:
+        """A final-only sequence's tokens but its last, at its end, as one list (no record a token); its
+        last record (`add`) follows."""
+        self._runs[key] = tokens
 
     def add(self, record: TokenRecord) -> None:
         self.pending.append(record)
@@ -114,19 +122,19 @@ class CompletionSink:
 
     def completions(self, prompts: list[list[int]]) -> list[Completion]:
         """Every request's completion, in order (after `wait`)."""
-        by_key: list[list[TokenRecord]] = [[] for _ in prompts]
-        for record in self._received:
-            by_key[record[0]].append(record)
-        return [
-            self._completion(key, len(prompt), records)
-            for key, (prompt, records) in enumerate(zip(prompts, by_key, strict=True))
-        ]
+        # Grouped by C loops, not a Python step a token: a block's tokens are many, and this runs while
+        # the engine's thread may need the GIL for the next block. A stable sort keeps each key's order.
+        by_key = groupby(sorted(self._received, key=itemgetter(0)), key=itemgetter(0))
+        return [self._completion(key, len(prompts[key]), list(records)) for key, records in by_key]
 
     def _completion(self, key: int, prompt_tokens: int, records: list[TokenRecord]) -> Completion:
         params = self.params[key]
         end = records[-1]
         reason, error = end[2] or "error", end[3]
-        tokens = [record[1] for record in records if record[1] >= 0]
+        tokens = self._runs.pop(key, [])
+        tokens += map(itemgetter(1), records)
+        if tokens[-1] < 0:  # only a sequence's end row may carry no token
+            tokens.pop()
         completion_tokens = len(tokens)
         stopped = self.stopped.get(key)
         if stopped is not None:

@@ -172,7 +172,11 @@ class Delivery:
         if sink is not None:
             if sequence.quiet and sequence.generated:  # a final-only sequence: all its records in one run
                 key, generated = sequence.sink_key, sequence.generated
-                sink.pending.extend(zip(repeat(key), generated[:-1], repeat(None), repeat(None)))  # tuples made in C
+                add_run = getattr(sink, "add_run", None)  # a sink that takes the tokens as one list (generate's)
+                if add_run is not None:
+                    add_run(key, generated[:-1])
+                else:  # a record each, as a link sends them: the tuples made in C
+                    sink.pending.extend(zip(repeat(key), generated[:-1], repeat(None), repeat(None)))
                 token_ids = generated[-1:]  # with its end-of-text token, as a delta sequence's last record
             sink.add(self._record(sequence, token_ids[0] if token_ids else -1, reason, error))
             self._sinks.add(sink)
