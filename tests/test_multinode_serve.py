@@ -27,7 +27,7 @@ from gpt2_platform.ops.local_cluster import free_ports
 from gpt2_platform.tokenizer import byte_tokenizer
 from helpers_multinode import run_driver
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multinode]
 
 MARKER_VAR = "GPT2_PLATFORM_TEST_MULTINODE_SERVE"
 STREAMS = 8
