@@ -123,6 +123,11 @@ def complete(model_dir: Path) -> None:
     banner("loading the model with transformers and completing a prompt")
     # Its "Loading weights" bar redraws with carriage returns, which a log or pipe shows as one garbled line.
     transformers_logging.disable_progress_bar()
+    # Loading imports torchao (installed for the low-bit optimizers; this step does not use it), which warns
+    # that its CUDA kernel libraries do not load on a machine without CUDA, and registers its enums with torch's
+    # pytree the way torch now calls deprecated: warnings about a library's own set-up that no user acts on here.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
