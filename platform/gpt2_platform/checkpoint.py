@@ -153,7 +153,7 @@ def read_hf_config(directory: Path) -> SimpleNamespace:
     Read here rather than by AutoConfig or GPT2Config: importing transformers' auto classes imports its
     generation stack as well (torch._dynamo, sympy, and scikit-learn where installed). With
     transformers 5 that is seconds of every Ray actor's start-up
-    (docs/benchmarks/2026-12-01-s6-s7-pdl-startup-h200.md), for a file of a few numbers.
+    (docs/benchmarks.md, a Serve replica's start), for a file of a few numbers.
     """
     fields = read_json_object(directory / CONFIG_NAME)
     for alias, name in _HF_ALIASES.items():

@@ -66,7 +66,7 @@ def named_tokenizer_class(directory: Path) -> type[PreTrainedTokenizerBase] | No
 
     What AutoTokenizer does first, without importing transformers' auto classes: with transformers
     5.17 that import brings in its generation stack (torch._dynamo, sympy, scikit-learn where
-    installed), seconds of every Ray actor's start-up (docs/benchmarks/2026-12-01-s6-s7-pdl-startup-h200.md).
+    installed), seconds of every Ray actor's start-up (docs/benchmarks.md, a Serve replica's start).
     None (then AutoTokenizer decides) for a hub name or a directory that names no class.
     """
     import transformers

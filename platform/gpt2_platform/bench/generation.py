@@ -81,7 +81,7 @@ def hf_generate(
 def _fastest(generate: Callable[[], object], device: torch.device, runs: int) -> float:
     """The best of `runs` timed calls, in seconds. Both sides get the same: at batch 1, where the host's
     Python sets the pace, transformers' time per step varied by up to 2x between single runs on the same
-    card (docs/benchmarks/2026-12-01-s4-engine-best-of-3-h200.md), and the best of a few is its fairest
+    card (docs/benchmarks.md, engine and generation), and the best of a few is its fairest
     figure."""
     best = float("inf")
     for _ in range(runs):

@@ -130,8 +130,7 @@ class PackedPrefillView:
             # The flash kernel that `varlen_attn` runs, called as the aten op: the public function reaches it
             # through a custom op whose kernel is wrapped to disable dynamo, and that wrapper's first call
             # imports torch._dynamo, seconds that a batch job's first packed prefill waited for, mid-run, in
-            # an engine that compiles nothing (py-spy of the job's actor:
-            # docs/benchmarks/2026-12-03-s17-batch-h200.md).
+            # an engine that compiles nothing (py-spy of the job's actor: docs/benchmarks.md, batch generation).
             # Flash, as `varlen_attn` chose here, not cuDNN (see engine/prefill.py, Prefiller._attention). Causal within
             # each prompt, as window (-1, 0) is.
             out = torch.ops.aten._flash_attention_forward(

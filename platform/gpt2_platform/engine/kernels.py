@@ -3,7 +3,7 @@
 Why by hand: a decode step at small batch is a chain of small, latency-bound kernels. The compiled
 step of GPT-2 124M launches over a hundred kernels at batch 1 and spends several times longer on their
 launches and gaps than its weights take to stream at the card's bandwidth
-(docs/benchmarks/2026-12-01-s5-decode-kernels-h200.md).
+(docs/benchmarks.md, engine and generation).
 cuBLAS, inductor's fusions and its Triton GEMM templates still give every layer norm, bias, GELU,
 residual add, cache write and attention its own kernel or its own GEMM. These kernels fold each
 of those into the GEMV that reads the weights anyway, or into the attention:
@@ -95,15 +95,15 @@ GEMV_MAX_BATCH = 4
 """Up to this many rows, linears run as our GEMV kernel; past it, as cuBLAS GEMMs (see `TritonDecoder`).
 
 Where the two cross on an H200 (graph replay of the whole step, tools/probes/decode_step_variants.py;
-docs/benchmarks/2026-12-01-s6-s7-pdl-startup-h200.md): the GEMV wins clearly at 1-4 rows and loses from 8,
-because it reads the weights once per row."""
+docs/benchmarks.md, engine and generation): the GEMV wins at the smallest batches and loses a few rows
+up, because it reads the weights once per row."""
 
 
 def linear_config(n: int, k: int) -> dict[str, int]:
     """Tile sizes for `ln_linear`: a GEMV, one row a program (the grid's second axis runs over rows).
 
-    At batch 1 on an H200 (tools/probes/triton_kernels.py, weights hot in L2; figures in
-    docs/benchmarks/2026-12-01-s5-decode-kernels-h200.md), 8 output columns a program with whole
+    At batch 1 on an H200 (tools/probes/triton_kernels.py, weights hot in L2; docs/benchmarks.md, engine and generation),
+    8 output columns a program with whole
     1,024-wide rows of K loaded at once was
     the fastest of seven tilings for every linear of GPT-2 124M, and beat cuBLAS plus torch's layer
     norm on each. Tiles of several rows (`tl.dot` at 16-64 rows, or products of 4 rows with K cut to 256
@@ -170,7 +170,7 @@ def write_cache(
 
     Why not an indexed assignment: a prefill's write went through torch's generic index kernel plus a
     stack of k and v, a large share of a batch job's prefill (tools/probes/prefill_cost.py,
-    docs/benchmarks/2026-12-03-s14-batch-h200.md). One program a token reads its keys and values where
+    docs/benchmarks.md, batch generation). One program a token reads its keys and values where
     the projection left them and writes each head's D values contiguously.
     """
     tokens, heads, head_dim = k.shape
@@ -224,7 +224,7 @@ def decode_attention(
         num_warps = 2 if batch >= 256 else 4
     if num_stages is None:
         # From 256 rows, software-pipelining the cache loop 2 deep read it faster (the probe's sweep at 256
-        # and 1,024 rows: docs/benchmarks/2026-12-03-s17-batch-h200.md); below, not measured: the plain loop.
+        # and 1,024 rows: docs/benchmarks.md, batch generation); below, not measured: the plain loop.
         num_stages = 2 if batch >= 256 else 0
     assert two == 2 and kv.is_contiguous() and qkv.is_contiguous() and qkv.shape[1] == 3 * heads * head_dim
     out = torch.empty(batch, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -310,7 +310,7 @@ class TritonDecoder:
     residual). Past it, 7 (`gemm_layers`): cuBLAS GEMMs, which our `tl.dot` tiles did not beat, that
     add the residual themselves, around our attention and our layer norms that add the bias. The LM
     head is always cuBLAS: 77 MB streamed, where our kernel was no faster on an H200
-    (docs/benchmarks/2026-12-01-s5-decode-kernels-h200.md).
+    (docs/benchmarks.md, engine and generation).
 
     Holds references to the model's own parameters (no copies), so it follows weights loaded later.
     `pdl`: programmatic dependent launch between our kernels; None: where the device supports it.

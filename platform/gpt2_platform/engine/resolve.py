@@ -79,5 +79,5 @@ def default_compile(device: torch.device, decode_kernels: str) -> bool:
     """What `engine.compile: null` means: compile the model's modules on a GPU, where it fuses a step's
     small kernels; not with our decode kernels, where it would compile only the token pick, which makes
     a step a few percent faster while dynamo's import and traces add seconds to every replica's start
-    (docs/benchmarks/2026-12-03-s19-batch-h200.md); not on a CPU (minutes of warm-up)."""
+    (docs/benchmarks.md, batch generation); not on a CPU (minutes of warm-up)."""
     return device.type == "cuda" and decode_kernels == "torch"

@@ -76,7 +76,7 @@ class ServeLimits(BaseModel):
     Each chunk costs the replica a message to Serve's proxy, more host time than the token itself, so
     pacing the chunks lets a replica stream more tokens a second, to one client or to many; text then
     arrives in bursts of at most 50 a second at the default, with the same time to first token
-    (docs/benchmarks/2026-12-01-s8-gemm-fusions-serve-h200.md)."""
+    (docs/benchmarks.md, serving over HTTP)."""
 
 
 class AppArgs(BaseModel):
