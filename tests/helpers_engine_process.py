@@ -15,7 +15,7 @@ from typing import Any
 from gpt2_platform.engine.detokenize import ByteTable
 from gpt2_platform.engine.output import TextOutput
 from gpt2_platform.engine.process import EngineProcess
-from gpt2_platform.engine.requests import Deliver, EngineConfig, Event, GenerationParams, LogprobStream
+from gpt2_platform.engine.requests import Deliver, EngineConfig, Event, GenerationParams, LogprobStream, hand_over
 from gpt2_platform.tokenizer import load_tokenizer
 
 
@@ -108,10 +108,4 @@ class TextEngineProcess:
             if new.finished and not event.finished and not was_done:
                 self.process.cancel(event.request_id)  # a stop string ended it: free its slot
             texted_batch.append((texted.on_event, new))
-        if not texted_batch:
-            return
-        if self._deliver is not None:
-            self._deliver(texted_batch)
-            return
-        for on_event, event in texted_batch:
-            on_event(event)
+        hand_over(texted_batch, self._deliver)

@@ -56,6 +56,7 @@ from gpt2_platform.engine.requests import (
     EngineDeadError,
     Event,
     GenerationParams,
+    hand_over,
     validate_request,
 )
 
@@ -389,13 +390,7 @@ class EngineProcess:
         return event
 
     def _hand_over(self, batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-        if not batch:
-            return
-        if self._deliver is not None:
-            self._deliver(batch)
-            return
-        for on_event, event in batch:
-            on_event(event)
+        hand_over(batch, self._deliver)
 
     def _fail_pending(self, error: str) -> None:
         with self._lock:

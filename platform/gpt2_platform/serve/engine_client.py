@@ -41,6 +41,7 @@ from gpt2_platform.engine.requests import (
     Event,
     GenerationParams,
     LogprobStream,
+    hand_over,
     validate_request,
 )
 
@@ -266,13 +267,7 @@ class RemoteEngine:
         return event
 
     def _hand_over(self, batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-        if not batch:
-            return
-        if self._deliver is not None:
-            self._deliver(batch)
-            return
-        for on_event, event in batch:
-            on_event(event)
+        hand_over(batch, self._deliver)
 
     def _release(self, key: int, sequence: _Remote) -> None:
         """Tell the engine a sequence is over here: on its link (within a step) and by cancelling its call."""
