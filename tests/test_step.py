@@ -190,6 +190,23 @@ def test_gradient_checkpointing_gives_the_same_gradients() -> None:
     tiny_model(seed=1).load_state_dict(checkpointed.state_dict())
 
 
+def test_checkpointing_some_blocks_wraps_only_those_and_keeps_the_gradients() -> None:
+    inputs, targets = _batch(2, seed=3)
+    expected = _gradients(tiny_model(seed=0), inputs, targets)
+    base = tiny_model(seed=0)
+    checkpointed = parallelize(base, CPU, "off", gradient_checkpointing=True, checkpoint_blocks=1)
+    blocks = list(checkpointed.transformer.h)
+    assert [type(block).__name__ for block in blocks] == ["CheckpointWrapper", "Block"]  # the first only
+    got = {
+        name.replace("_checkpoint_wrapped_module.", ""): g
+        for name, g in _gradients(checkpointed, inputs, targets).items()
+    }
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=0, msg=name)
+    none = parallelize(tiny_model(seed=0), CPU, "off", gradient_checkpointing=True, checkpoint_blocks=0)
+    assert not [m for m in none.modules() if type(m).__name__ == "CheckpointWrapper"]
+
+
 def test_parallelize_off_without_distributed_returns_the_model() -> None:
     model = tiny_model()
     assert parallelize(model, CPU, "off") is model

@@ -204,6 +204,7 @@ def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
         ("train.eval_every=-1", "train.eval_every"),
         ("train.global_batch_size=0", "train.global_batch_size"),
         ("train.profile_steps=[5]", "train.profile_steps"),
+        ("train.checkpoint_blocks=-1", "train.checkpoint_blocks"),
         ("scaling.num_workers=0", "scaling.num_workers"),
         ("run.name=a/b", "run.name"),
     ],
@@ -277,3 +278,18 @@ def test_a_resumed_run_keeps_its_global_batch_unless_told(overrides, saved, accu
     assert (config.train.grad_accum_steps, config.train.global_batch_size) == (accum, batch)
     lines = [r.getMessage() for r in caplog.records]
     assert (any(said in line for line in lines) and len(lines) == 1) if said else lines == []
+
+
+def test_checkpoint_blocks_needs_checkpointing_and_fits_the_model(tmp_path: Path) -> None:
+    from gpt2_platform.train.trainer import validate
+
+    with pytest.raises(ConfigError, match=r"^train.checkpoint_blocks=4 needs train.gradient_checkpointing=true"):
+        load(None, ["train.checkpoint_blocks=4"])
+    config = load(None, ["train.gradient_checkpointing=true", "train.checkpoint_blocks=3", "model.preset=tiny"])
+    config.data.paths = [str(tmp_path / "corpus.txt")]
+    (tmp_path / "corpus.txt").write_text("some text " * 100)
+    # The tiny preset has 2 blocks: 3 cannot be checkpointed, and saying so beats training all of them silently.
+    with pytest.raises(ConfigError, match=r"^train.checkpoint_blocks=3 is more than the model's 2 blocks"):
+        validate(config)
+    config.train.checkpoint_blocks = 1
+    validate(config)

@@ -30,6 +30,8 @@ class Setup(TypedDict, total=False):
     """What a memory-saving setup turns on; a key left out is off."""
 
     checkpointing: bool
+    checkpoint_blocks: int
+    """With checkpointing: how many blocks recompute (train.checkpoint_blocks); left out, all."""
     fsdp: bool
     offload: bool
     """FSDP's CPU offload (parallelize's `cpu_offload`)."""
@@ -106,6 +108,7 @@ def build_setup(preset_name: str, setup: str, device: torch.device, compile_mode
         "fsdp" if options.get("fsdp") else "ddp",
         precision.autocast_dtype,
         options.get("offload", False),
+        options.get("checkpoint_blocks"),
     )
     optimizer = build_optimizer(model, optim, device)
     return model, TrainStep(train_model, optimizer, precision, device, 1.0, loss_fn=LMLoss("logits", 128))

@@ -140,6 +140,9 @@ class TrainConfig:
     """torch.compile mode, or off."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in backward to save memory."""
+    checkpoint_blocks: int | None = None
+    """With gradient_checkpointing: recompute only the first this many blocks (None: all). The others keep
+    their activations and skip the second forward, so a card with memory to spare trains faster."""
     loss: LossImpl = "logits"
     """How the loss is computed from the last hidden states (train/loss.py): logits (the head's matmul, then
     the cross-entropy, in Triton on GPUs) or fused (liger-kernel's fused head + cross-entropy, CUDA only: the fp32
@@ -190,6 +193,14 @@ class TrainConfig:
             raise ConfigError(f"train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ConfigError(f"train.global_batch_size must be >= 1, got {self.global_batch_size}")
+        if self.checkpoint_blocks is not None:
+            if self.checkpoint_blocks < 0:
+                raise ConfigError(f"train.checkpoint_blocks must be >= 0 or null, got {self.checkpoint_blocks}")
+            if not self.gradient_checkpointing:
+                raise ConfigError(
+                    f"train.checkpoint_blocks={self.checkpoint_blocks} needs train.gradient_checkpointing=true (it "
+                    f"says how many blocks recompute); set both, or drop train.checkpoint_blocks"
+                )
         if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0):
             raise ConfigError(f"train.peak_tflops must be a positive number or null, got {self.peak_tflops}")
         if len(self.profile_steps) != 2 or not 1 <= self.profile_steps[0] <= self.profile_steps[1]:

@@ -296,6 +296,7 @@ def _build(worker: _Worker, expected: str | None) -> tuple[GPT2, TrainStep, Resu
         scaling.strategy,
         precision.autocast_dtype,
         scaling.cpu_offload,
+        tc.checkpoint_blocks,
     )
     optimizer = build_optimizer(model, config.optim, device)
     loss_fn = LMLoss(tc.loss, tc.vocab_multiple)

@@ -18,8 +18,10 @@ from gpt2_platform.model import GPT2, Block
 logger = logging.getLogger(__name__)
 
 
-def apply_activation_checkpointing(model: GPT2) -> None:
-    """Recompute every transformer block in backward instead of storing its activations."""
+def apply_activation_checkpointing(model: GPT2, blocks: int | None = None) -> None:
+    """Recompute transformer blocks in backward instead of storing their activations: all of them, or the
+    first `blocks`. A block that keeps its activations skips a second forward, so on a card with memory to
+    spare, checkpointing only as many blocks as needed to fit is faster than checkpointing all."""
     # torch's wrapper keeps parameter names clean in state_dict() (it strips its own prefix).
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
@@ -32,7 +34,7 @@ def apply_activation_checkpointing(model: GPT2) -> None:
     apply(
         model,
         checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: isinstance(m, Block),
+        check_fn=lambda m: isinstance(m, Block) and (blocks is None or m.attn.layer < blocks),
     )
 
 
@@ -44,6 +46,7 @@ def parallelize(
     strategy: str = "ddp",
     compute_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
+    checkpoint_blocks: int | None = None,
 ) -> nn.Module:
     """The model to train: checkpointed, compiled and wrapped as asked.
 
@@ -54,7 +57,7 @@ def parallelize(
     and optimizer state live in CPU memory between uses.
     """
     if gradient_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, checkpoint_blocks)
     if strategy == "fsdp":
         return _fully_shard(model, compile_mode, compute_dtype, cpu_offload)
     if strategy != "ddp":

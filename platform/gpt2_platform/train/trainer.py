@@ -93,6 +93,12 @@ def validate(config: Config) -> None:
             f"train.fail_at_step={config.train.fail_at_step} is past train.max_steps={config.train.max_steps}"
         )
     files_by_format(config.data)  # paths, formats and the text column, before Ray starts
+    blocks = config.train.checkpoint_blocks
+    if blocks is not None and blocks > arch.n_layer:
+        raise ConfigError(
+            f"train.checkpoint_blocks={blocks} is more than the model's {arch.n_layer} blocks; "
+            f"use at most {arch.n_layer} (or null for all)"
+        )
     if config.train.compile != "off" and config.train.gradient_checkpointing:
         logger.warning(
             "gradient checkpointing under torch.compile recomputes through the compiled graph; expect slower steps"
