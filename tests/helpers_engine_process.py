@@ -3,7 +3,7 @@
 `EngineProcess` (engine/process.py) hands back token ids only, as a token link does; its one user in the
 package, the engine deployment, sends every sequence's tokens to an ingress, which makes the text. Tests
 that compare text with an in-process engine wrap it here, making each event's text in this process with
-engine/output.py's TextOutput, as an ingress does (serve/engine_client.py).
+engine/output.py's TextStream, as an ingress does (serve/engine_client.py).
 """
 
 from __future__ import annotations
@@ -13,49 +13,26 @@ from collections.abc import Callable
 from typing import Any
 
 from gpt2_platform.engine.detokenize import ByteTable
-from gpt2_platform.engine.output import TextOutput
+from gpt2_platform.engine.messages import RowLogprobs
+from gpt2_platform.engine.output import TextOutput, TextStream
 from gpt2_platform.engine.process import EngineProcess
-from gpt2_platform.engine.requests import Deliver, EngineConfig, Event, GenerationParams, LogprobStream, hand_over
+from gpt2_platform.engine.requests import Deliver, EngineConfig, Event, GenerationParams, hand_over
 from gpt2_platform.tokenizer import load_tokenizer
 
 
-class _Texted:
-    """One request's consumer: its tokens into text, with stop strings and log-probabilities, then `on_event`."""
-
-    def __init__(self, on_event: Callable[[Event], None], output: TextOutput, logprobs: bool) -> None:
-        self.on_event, self.output = on_event, output
-        self.logprobs = LogprobStream() if logprobs else None
-        self.done = False  # ended here (a stop string) before the engine's end
-
-    def __call__(self, event: Event) -> None:
-        texted = self.text(event)
-        if texted is not None:
-            self.on_event(texted)
-
-    def text(self, event: Event) -> Event | None:
-        """The event with text, or None for nothing to hand on now."""
-        if self.done:
-            return None  # a stop string ended it here: the engine's tail is dropped
-        if self.logprobs is not None:
-            self.logprobs.tokens.extend(event.logprobs or [])
-            if event.prompt_logprobs is not None:
-                self.logprobs.prompt = event.prompt_logprobs
-        emitted = None
-        for index, token in enumerate(event.token_ids):  # one token a delta event
-            emitted = self.output.add(token, event.finished and index == len(event.token_ids) - 1)
-        if not event.token_ids:  # ended with no token: aborted, failed or refused
-            emitted = ([], "", event.finish_reason)
-        if emitted is None:
-            return None
-        tokens, text, reason = emitted
-        texted = Event(event.request_id, tokens, text, reason, seed=event.seed)
-        if self.logprobs is not None:
-            texted.logprobs, texted.prompt_logprobs = self.logprobs.take(len(tokens))
-        if reason is not None:
-            self.done = True
-            texted.error, texted.prompt_tokens = event.error, event.prompt_tokens
-            texted.completion_tokens = event.completion_tokens if event.finished else len(self.output.generated)
-        return texted
+def _rows(event: Event) -> list[tuple[int, str | None, str | None, RowLogprobs | None]]:
+    """An event of the process's as the rows a core sends (engine/messages.py, StepOutput): a token each, the
+    last with the end; one row of token -1 for an end with no token."""
+    tokens = event.token_ids or [-1]
+    rows = []
+    for index, token in enumerate(tokens):
+        last = index == len(tokens) - 1
+        row_logprobs = None
+        if event.logprobs is not None or event.prompt_logprobs is not None:
+            token_logprob = event.logprobs[index] if event.logprobs and token >= 0 else None
+            row_logprobs = (token_logprob, event.prompt_logprobs if index == 0 else None)
+        rows.append((token, event.finish_reason if last else None, event.error if last else None, row_logprobs))
+    return rows
 
 
 class TextEngineProcess:
@@ -90,22 +67,40 @@ class TextEngineProcess:
         self, prompt_ids: list[int], params: GenerationParams, on_event: Callable[[Event], None], incremental_text=True
     ) -> int:
         output = TextOutput(self.tokenizer, self.byte_table, params, self.tokenizer.eos_token_id, incremental_text)
-        texted = _Texted(on_event, output, params.logprobs is not None)
+        seed = params.sampling.resolved().seed
+        assert seed is not None
+        stream = TextStream(on_event, output, len(prompt_ids), seed, params.logprobs is not None)
         # Stop strings are applied here, on the text; the engine ends sequences by token only.
-        return self.process.submit(prompt_ids, dataclasses.replace(params, stop=()), texted)
+        params = dataclasses.replace(params, stop=(), sampling=dataclasses.replace(params.sampling, seed=seed))
+        return self.process.submit(prompt_ids, params, _Streamed(stream))
 
     def _hand_over(self, batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-        """One step's events, with text, handed on together (to `deliver` where one was given)."""
+        """One step's events, with text (as an ingress makes it), handed on together (to `deliver` where one
+        was given)."""
         texted_batch = []
-        for texted, event in batch:
-            if not isinstance(texted, _Texted):  # submitted to `process` itself: its events as they are
-                texted_batch.append((texted, event))
+        for streamed, event in batch:
+            if not isinstance(streamed, _Streamed):  # submitted to `process` itself: its events as they are
+                texted_batch.append((streamed, event))
                 continue
-            was_done = texted.done
-            new = texted.text(event)
-            if new is None:
-                continue
-            if new.finished and not event.finished and not was_done:
-                self.process.cancel(event.request_id)  # a stop string ended it: free its slot
-            texted_batch.append((texted.on_event, new))
+            for token, reason, error, row_logprobs in _rows(event):
+                if streamed.done:
+                    break  # a stop string ended it here: the engine's tail is dropped
+                new = streamed.stream.take(event.request_id, token, reason, error, row_logprobs)
+                if new is None:
+                    continue
+                if new.finished:
+                    streamed.done = True
+                    if reason is None:
+                        self.process.cancel(event.request_id)  # a stop string ended it: free its slot
+                texted_batch.append((streamed.stream.on_event, new))
         hand_over(texted_batch, self._deliver)
+
+
+class _Streamed:
+    """The process's `on_event` for a sequence submitted here: its events come through `_hand_over`."""
+
+    def __init__(self, stream: TextStream) -> None:
+        self.stream, self.done = stream, False
+
+    def __call__(self, event: Event) -> None:
+        raise AssertionError("events come through deliver_in_batches")

@@ -14,6 +14,7 @@ import torch
 
 from gpt2_platform import checkpoint, demo_data
 from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, GenerationParams
+from gpt2_platform.engine.local import LocalEngine
 from gpt2_platform.engine.messages import FINAL_ONLY, SubmitRequest
 from gpt2_platform.engine.requests import Event
 from gpt2_platform.engine.sampling import SamplingParams
@@ -89,7 +90,7 @@ def test_a_request_that_joins_a_running_batch_gets_the_tokens_it_gets_alone(engi
         if len(events) == 5:
             started.set()
 
-    engine.submit(tokenizer(PROMPTS[2])["input_ids"], greedy(60), on_event)
+    LocalEngine(engine).submit(tokenizer(PROMPTS[2])["input_ids"], greedy(60), on_event)
     assert started.wait(30)
     steps_before = engine.stats()["steps"]
     (joined,) = engine.generate([late], greedy(20))
@@ -206,10 +207,12 @@ def test_ids_past_the_tokenizer_are_never_sampled_from_a_padded_vocabulary(token
 
 
 async def stream(engine: Engine, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[Event]:
-    """A request's events on asyncio as they come; closing the iterator early cancels the request."""
+    """A request's events on asyncio as they come, through the in-process client; closing the iterator early
+    cancels the request."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event] = asyncio.Queue()
-    request_id = engine.submit(prompt_ids, params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
+    client = LocalEngine(engine)
+    request_id = client.submit(prompt_ids, params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
     finished = False
     try:
         while not finished:
@@ -218,7 +221,7 @@ async def stream(engine: Engine, prompt_ids: list[int], params: GenerationParams
             yield event
     finally:
         if not finished:
-            engine.cancel(request_id)
+            client.cancel(request_id)
 
 
 def test_streaming_yields_text_deltas_and_a_disconnect_frees_the_slot(engine, tokenizer):
@@ -296,7 +299,7 @@ def test_bad_requests_are_refused_with_a_reason(engine, prompt, params, message)
     with pytest.raises(ValueError, match=message):
         if isinstance(params, dict):  # SamplingParams refuses bad values as it is built
             params = GenerationParams(sampling=SamplingParams(**params))
-        engine.submit(prompt, params, lambda event: None)
+        engine.add_request(SubmitRequest(0, prompt, params), RecordingSink())
     assert engine.stats()["waiting"] == 0
 
 
@@ -348,7 +351,7 @@ class RecordingSink:
         self.pending: list = []
         self.messages: list[list] = []
 
-    def add(self, record: tuple) -> None:
+    def add(self, record: tuple, num_generated: int) -> None:
         self.pending.append(record)
 
     def send(self) -> bool:
@@ -358,15 +361,13 @@ class RecordingSink:
         return True
 
 
-def test_a_sinks_sequences_send_one_record_per_token_and_their_end_as_events_would(engine, tokenizer):
+def test_a_sinks_sequences_send_one_record_per_token_and_their_end_on_the_last(engine, tokenizer):
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
     lengths = [1, 2, 17]  # a first token that is also the last, and one that takes a decode step
     expected = [engine.generate([p], greedy(n))[0].token_ids for p, n in zip(prompts, lengths, strict=True)]
     sink = RecordingSink()
-    ends = []
     for key, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
-        on_event = ends.append if key == 2 else None  # one has a waiter for its end too, as a Serve call does
-        engine.submit(prompt, greedy(n), on_event, tokens_only=True, sink=sink, sink_key=key)
+        engine.add_request(SubmitRequest(key, prompt, greedy(n)), sink)
     assert wait_until(lambda: sum(r[2] is not None for m in sink.messages for r in m) == 3, timeout_s=30)
     records = [r for message in sink.messages for r in message]
     for key, tokens in enumerate(expected):
@@ -375,8 +376,7 @@ def test_a_sinks_sequences_send_one_record_per_token_and_their_end_as_events_wou
         assert [r[2] for r in mine] == [None] * (len(tokens) - 1) + ["length"]
     # The prefill's first token and the first decode step's come together; after that, a message a step.
     assert max(sum(r[0] == 2 for r in message) for message in sink.messages) <= 2
-    (end,) = ends
-    assert end.finish_reason == "length" and end.token_ids == [] and end.completion_tokens == 17
+    assert len([r for r in records if r[0] == 2]) == 17
 
 
 def test_a_typed_request_gets_records_per_token_as_delta_and_in_one_run_at_its_end_as_final(engine, tokenizer):
@@ -412,12 +412,14 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.01) -> bool:
     return bool(predicate())
 
 
-def test_quiet_sequences_end_with_one_event_holding_what_a_streamed_one_gets(engine, tokenizer):
+def test_quiet_sequences_end_with_one_run_holding_what_a_streamed_one_gets(engine, tokenizer):
     # generate() submits quiet sequences (no stop strings): their tokens are taken in a step at a time
-    # with numpy and they get one event, at the end. Streamed ones go token by token through Python.
+    # with numpy and they come in one run, at the end. Streamed ones go token by token through Python.
     # Both must see the same tokens, end the same way, and (decoded) give the same text.
     prompts = [tokenizer(f"{name} has")["input_ids"] for name in ("alice", "bob", "carol", "dave", "erin", "frank")]
     params = [greedy(n) for n in (7, 1, 30, 12, 3, 20)]
+
+    client = LocalEngine(engine)
 
     def streamed(prompt, p):
         events, done = [], threading.Event()
@@ -427,7 +429,7 @@ def test_quiet_sequences_end_with_one_event_holding_what_a_streamed_one_gets(eng
             if event.finished:
                 done.set()
 
-        engine.submit(prompt, p, on_event)
+        client.submit(prompt, p, on_event)
         assert done.wait(60)
         return events
 
@@ -439,14 +441,13 @@ def test_quiet_sequences_end_with_one_event_holding_what_a_streamed_one_gets(eng
         assert (events[-1].finish_reason, events[-1].completion_tokens) == ("length", p.max_tokens)
         assert completion.finish_reason == "length" and completion.completion_tokens == p.max_tokens
 
-    events = []
-    finished = threading.Event()
-    engine.submit(prompts[0], params[2], lambda e: (events.append(e), e.finished and finished.set()), final_only=True)
-    assert finished.wait(60)
-    (event,) = events
-    assert event.finish_reason == "length" and len(event.token_ids) == event.completion_tokens == 30
-    assert event.text == ""  # the consumer decodes
-    assert tokenizer.decode(event.token_ids) == engine.generate([prompts[0]], [params[2]])[0].text
+    sink = RecordingSink()
+    engine.add_request(SubmitRequest(0, prompts[0], params[2], FINAL_ONLY), sink)
+    assert wait_until(lambda: any(r[2] is not None for m in sink.messages for r in m), timeout_s=60)
+    (records,) = sink.messages
+    assert records[-1][2] == "length" and len(records) == 30
+    tokens = [r[1] for r in records]  # no text: the consumer decodes
+    assert tokenizer.decode(tokens) == engine.generate([prompts[0]], [params[2]])[0].text
 
 
 def test_logprobs_of_generated_tokens_are_transformers_log_softmax(model, tokenizer, tmp_path):

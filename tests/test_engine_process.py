@@ -23,6 +23,7 @@ from gpt2_platform import checkpoint
 from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams
 from gpt2_platform.engine.link import Inlet, Link
+from gpt2_platform.engine.local import LocalEngine
 from gpt2_platform.engine.messages import FINAL_ONLY, LinkTarget, StepOutput
 from gpt2_platform.engine.process import EngineProcess, EngineStartError
 from gpt2_platform.engine.sampling import SamplingParams
@@ -58,7 +59,7 @@ class Recorder:
 
 
 def run_to_end(
-    engine: Engine | TextEngineProcess, prompts: list[list[int]], params: GenerationParams
+    engine: LocalEngine | TextEngineProcess, prompts: list[list[int]], params: GenerationParams
 ) -> list[list[Event]]:
     recorder = Recorder()
     ids = [engine.submit(prompt, params, recorder) for prompt in prompts]
@@ -137,7 +138,7 @@ def test_greedy_tokens_and_text_equal_an_in_process_engine(engine_process, model
     local = Engine(checkpoint.load_pretrained(str(model_dir)), tokenizer, CONFIG).start(warmup=False)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     try:
-        expected = run_to_end(local, prompts, greedy(40))
+        expected = run_to_end(LocalEngine(local), prompts, greedy(40))
     finally:
         local.shutdown()
     got = run_to_end(engine_process, prompts, greedy(40))
@@ -377,11 +378,13 @@ def test_tokens_go_over_the_link_one_message_per_step_and_the_parent_hears_only_
     assert sorted(e.completion_tokens for e in ends) == [30, 30]
     tokens = {key: [r[1] for r in ingress.records if r[0] == key] for key in (1, 2)}
     expected = run_to_end(
-        Engine(
-            checkpoint.load_pretrained(str(model_dir)),
-            load_tokenizer(str(model_dir)),
-            EngineConfig(max_batch_size=4, dtype="fp32"),
-        ).start(warmup=False),
+        LocalEngine(
+            Engine(
+                checkpoint.load_pretrained(str(model_dir)),
+                load_tokenizer(str(model_dir)),
+                EngineConfig(max_batch_size=4, dtype="fp32"),
+            ).start(warmup=False)
+        ),
         prompts,
         greedy(30),
     )

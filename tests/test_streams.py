@@ -1,7 +1,8 @@
 """How one request's output reaches its HTTP response (serve/streams.py), over a real in-process engine.
 
 `Choices` takes any engine of the interface (engine/protocol.py); the ingress gives it the engine
-deployment (tested over HTTP in test_serve), and here the in-process `Engine` stands in for it.
+deployment (tested over HTTP in test_serve), and here the in-process engine's client (engine/local.py)
+stands in for it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from gpt2_platform.engine.config import EngineConfig
 from gpt2_platform.engine.engine import Engine
+from gpt2_platform.engine.local import LocalEngine
 from gpt2_platform.engine.protocol import GenerationEngine
 from gpt2_platform.engine.requests import GenerationParams
 from gpt2_platform.engine.sampling import SamplingParams
@@ -49,23 +51,34 @@ async def _updates(engine: Engine, metrics: ServeMetrics, jobs: list[Job], inter
         for on_event, event in batch:
             on_event(event)
 
-    engine.deliver_in_batches(lambda batch: loop.call_soon_threadsafe(run_callbacks, batch))
-    try:
-        choices = Choices(engine, jobs, metrics)
-        assert await choices.started() is None
-        batches = []
-        async with contextlib.aclosing(choices.updates(interval_s)) as updates:
-            async for batch in updates:
-                batches.append(batch)
-                if limit is not None and len(batches) >= limit:
-                    break
-        return batches
-    finally:
-        engine.deliver_in_batches(None)  # back to a callback per event, for engine.generate
+    client = LocalEngine(engine)
+    client.deliver_in_batches(lambda batch: loop.call_soon_threadsafe(run_callbacks, batch))
+    choices = Choices(client, jobs, metrics)
+    assert await choices.started() is None
+    batches = []
+    async with contextlib.aclosing(choices.updates(interval_s)) as updates:
+        async for batch in updates:
+            batches.append(batch)
+            if limit is not None and len(batches) >= limit:
+                break
+    return batches
 
 
-def test_the_in_process_engine_meets_the_engine_interface(engine):
-    assert isinstance(engine, GenerationEngine)
+def test_the_in_process_engines_client_meets_the_engine_interface(engine):
+    assert isinstance(LocalEngine(engine), GenerationEngine)
+
+
+def test_a_stop_string_cuts_the_text_and_ends_the_sequence_in_the_engine(engine, metrics):
+    (whole,) = engine.generate([PROMPT], greedy(40))
+    stop = whole.text[10:13]  # some three characters it writes, cut where they first appear
+    params = GenerationParams(max_tokens=40, ignore_eos=True, stop=(stop,), sampling=SamplingParams(temperature=0))
+    (expected,) = engine.generate([PROMPT], params)
+    assert expected.text == whole.text[: whole.text.index(stop)] and expected.finish_reason == "stop"
+    batches = asyncio.run(_updates(engine, metrics, [Job(PROMPT, params)], interval_s=0.0))
+    updates = [update for batch in batches for update in batch]
+    assert "".join(u.text for u in updates) == expected.text
+    assert updates[-1].end is not None and updates[-1].end.finish_reason == "stop"
+    assert asyncio.run(_wait_idle(engine)), "the engine ran on past the stop string"
 
 
 def test_a_long_interval_packs_every_token_between_the_first_and_the_end(engine, metrics):

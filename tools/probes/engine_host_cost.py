@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from gpt2_platform.engine.buffers import Launch  # noqa: E402
 from gpt2_platform.engine.engine import Engine, EngineConfig, GenerationParams  # noqa: E402
+from gpt2_platform.engine.local import LocalEngine
 from gpt2_platform.engine.messages import DELTA, FINAL_ONLY, OutputKind, SubmitRequest  # noqa: E402
 from gpt2_platform.engine.sampling import SamplingParams  # noqa: E402
 from gpt2_platform.model import GPT2, preset  # noqa: E402
@@ -50,7 +51,7 @@ class Sink:
         self.pending: list = []
         self.finished = 0
 
-    def add(self, record: tuple) -> None:
+    def add(self, record: tuple, num_generated: int) -> None:
         self.pending.append(record)
         self.finished += 1
 
@@ -77,9 +78,10 @@ def measure(
                 engine.add_request(SubmitRequest(key, prompt, params, output_kind), to)
             while to.finished < sequences:
                 time.sleep(0.001)
-        elif incremental:
+        elif incremental:  # events with text, made by the in-process client
+            client = LocalEngine(engine)
             for prompt in prompts:
-                engine.submit(prompt, params, lambda event: done.append(event) if event.finished else None)
+                client.submit(prompt, params, lambda event: done.append(event) if event.finished else None)
             while len(done) < sequences:
                 time.sleep(0.001)
         else:

@@ -81,7 +81,7 @@ class CompletionSink:
         last record (`add`) follows."""
         self._runs[key] = tokens
 
-    def add(self, record: TokenRecord) -> None:
+    def add(self, record: TokenRecord, num_generated: int) -> None:
         self.pending.append(record)
         self._num_ended += 1
 

@@ -5,10 +5,9 @@ requests into free cache slots (a batched prefill that yields their first
 token), then runs one decode step for every running sequence. A request joins
 at the next step and leaves the step it finishes, so nobody waits for a batch
 to drain. Consumers submit from any thread: `add_request` takes the typed request
-(engine/messages.py) and puts token records into a sink, no text; `generate()`
-blocks on a block of them (Ray Data), its text made by engine/collect.py. The
-older `submit`, with events and text through a callback, serves the in-process
-text users until they move onto the typed entry too.
+(engine/messages.py) and puts token records into a sink, no text. The text is the
+clients': engine/local.py's for a server in this process, engine/collect.py's for
+`generate()`, which blocks on a block of requests (Ray Data).
 
 This module is the facade and the loop; the slots' bookkeeping is scheduler.py's, the per-step output
 delivery.py's, and what `auto` settings resolve to resolve.py's.
@@ -22,7 +21,6 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,10 +31,8 @@ from gpt2_platform.engine.config import SAMPLING_MODES
 from gpt2_platform.engine.delivery import Delivery
 from gpt2_platform.engine.detokenize import ByteTable, TableTokenizer
 from gpt2_platform.engine.messages import DELTA, FINAL_ONLY, SubmitRequest
-from gpt2_platform.engine.output import TextOutput
 from gpt2_platform.engine.requests import (
     Completion,
-    Deliver,
     EngineConfig,
     EngineDeadError,
     Event,
@@ -78,8 +74,8 @@ logger = logging.getLogger(__name__)
 
 
 class Engine:
-    """The engine in this process: submit, cancel, generate and stats from any thread; one loop thread
-    runs the scheduler and the model and delivers the output."""
+    """The engine core in this process: add_request, cancel, generate and stats from any thread; one loop
+    thread runs the scheduler and the model and puts the output into each request's sink."""
 
     def __init__(
         self,
@@ -155,55 +151,10 @@ class Engine:
         if self._thread is None or not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
 
-    def deliver_in_batches(self, deliver: Deliver) -> None:
-        """Hand each loop iteration's events to `deliver` in one call, as (on_event, event) pairs.
-
-        By default every event calls its request's `on_event` on the engine thread. A server whose
-        requests live on one event loop passes a function that makes a single hop to that loop for
-        all of a step's events, then calls the callbacks there: one wake-up per step instead of one
-        per token per request. Set it before submitting.
-        """
-        self.delivery.deliver = deliver
-
     # ---- submitting --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
         """Raise ValueError for a request the engine cannot take, naming what is wrong."""
         validate_request(prompt_ids, params, self.max_seq_len, self.runner.model.config.vocab_size)
-
-    def submit(
-        self,
-        prompt_ids: list[int],
-        params: GenerationParams,
-        on_event: Callable[[Event], None] | None,
-        incremental_text: bool = True,
-        tokens_only: bool = False,
-        request_size: int = 1,
-        sink: TokenSink | None = None,
-        sink_key: int = 0,
-        final_only: bool = False,
-    ) -> int:
-        """Queue a request; `on_event` is called from the engine thread with each step's output.
-
-        With `incremental_text=False` (and no stop strings) events carry tokens only and the
-        whole text comes with the last one: detokenizing every token of a large batch costs
-        more host time than the GPU step itself. With `tokens_only` every event carries its token
-        and no text, and stop strings are the consumer's to apply (engine/output.py's TextOutput,
-        e.g. in the process serving HTTP): the engine ends a sequence only at end-of-text or its
-        token budget, or when cancelled. With a `sink` (tokens only), each token goes to the sink as
-        a record under `sink_key` instead, and `on_event`, if given, gets only the last event, with no
-        tokens. `request_size` is the interface's (engine/protocol.py): this engine queues whatever it
-        is given, so it ignores it. With `final_only` (and no stop strings, sink or `tokens_only`), the
-        sequence is quiet: `on_event` gets one event, at the end, with every token and no text (the
-        consumer decodes it; `generate()` does), and the engine spends no Python on it per token.
-        """
-        params = self._checked(prompt_ids, params)
-        assert on_event is not None or sink is not None, "a sequence needs an on_event or a sink"
-        plain = not (params.stop or params.echo or params.logprobs is not None)
-        quiet = final_only and plain and not tokens_only and sink is None
-        output = None
-        if not tokens_only and sink is None and not quiet:
-            output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
-        return self._queue(prompt_ids, params, on_event, output, sink, sink_key, quiet)
 
     def add_request(self, request: SubmitRequest, sink: TokenSink) -> int:
         """The core's entry: queue `request`'s sequence, its output to `sink` as records under `request.key`
@@ -214,7 +165,14 @@ class Engine:
         consumer's (engine/output.py's TextOutput). `admission` and `link` are the engine process's."""
         params = self._checked(request.prompt_ids, request.params)
         quiet = request.output_kind == FINAL_ONLY and not (params.echo or params.logprobs is not None)
-        return self._queue(request.prompt_ids, params, None, None, sink, request.key, quiet)
+        stop_token = -1 if params.ignore_eos or self.eos_token_id is None else self.eos_token_id
+        sequence = Sequence(
+            next(self._ids), list(request.prompt_ids), params, sink, request.key,
+            max_tokens=params.max_tokens, stop_token=stop_token, quiet=quiet, submitted_at=time.perf_counter(),
+            logprobs=None if params.logprobs is None else LogprobStream(), seed=params.sampling.seed or 0,
+        )  # fmt: skip
+        self.scheduler.add(sequence)
+        return sequence.request_id
 
     def _checked(self, prompt_ids: list[int], params: GenerationParams) -> GenerationParams:
         """`params` with the sampling seed resolved; ValueError for a request the engine cannot take."""
@@ -224,25 +182,6 @@ class Engine:
         params = dataclasses.replace(params, stop=tuple(params.stop), sampling=sampling)
         self.validate(prompt_ids, params)
         return params
-
-    def _queue(
-        self,
-        prompt_ids: list[int],
-        params: GenerationParams,
-        on_event: Callable[[Event], None] | None,
-        output: TextOutput | None,
-        sink: TokenSink | None,
-        sink_key: int,
-        quiet: bool,
-    ) -> int:
-        stop_token = -1 if params.ignore_eos or self.eos_token_id is None else self.eos_token_id
-        sequence = Sequence(
-            next(self._ids), list(prompt_ids), params, on_event, output, sink, sink_key,
-            max_tokens=params.max_tokens, stop_token=stop_token, quiet=quiet, submitted_at=time.perf_counter(),
-            logprobs=None if params.logprobs is None else LogprobStream(), seed=params.sampling.seed or 0,
-        )  # fmt: skip
-        self.scheduler.add(sequence)
-        return sequence.request_id
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (a client went away); its slot is free after the current step."""
@@ -311,7 +250,7 @@ class Engine:
                 # A waiting one ends too, with no tokens: a consumer counting what it sent (a token link's
                 # sequences in flight) must see every sequence end.
                 for sequence in scheduler.drop_cancelled(cancelled):
-                    delivery.finish(sequence, "abort", [], "")
+                    delivery.finish(sequence, "abort")
                 # Start this iteration's prefill and decode step before taking in the last one's tokens:
                 # the device computes while the host delivers, and nothing here waits for the device but
                 # that intake, so the host's work per step stays off the critical path.
@@ -332,7 +271,7 @@ class Engine:
     def _fail_all(self, error: BaseException) -> None:
         for sequence in self.scheduler.take_all():
             try:
-                self.delivery.finish(sequence, "error", [], "", error=f"engine failed: {error!r}")
+                self.delivery.finish(sequence, "error", error=f"engine failed: {error!r}")
             except Exception:  # a consumer's callback must not hide the original failure
                 logger.exception("could not deliver the engine failure to request %d", sequence.request_id)
         try:

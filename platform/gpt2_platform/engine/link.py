@@ -156,27 +156,35 @@ class Outlet:
         self.pending: list[TokenRecord] = []
         self._finished: dict[int, Finish] = {}  # row of pending -> the end of the sequence it ends
         self._with_logprobs: set[int] = set()  # keys whose records carry log-probabilities
+        self._on_end: dict[int, Callable[[TokenRecord, int], None]] = {}  # keys whose end someone else awaits
         self._last_with_logprobs = False  # a last record (`add`) this step carried log-probabilities
         self.closed = False
         self._reader = threading.Thread(target=self._read, name="gpt2-outlet-reader", daemon=True)
         self._reader.start()
 
-    def expect(self, key: int, logprobs: bool) -> None:
-        """Note a sequence about to be submitted under `key` (its engine id follows, for cancels)."""
+    def expect(self, key: int, logprobs: bool, on_end: Callable[[TokenRecord, int], None] | None = None) -> None:
+        """Note a sequence about to be submitted under `key` (its engine id follows, for cancels); `on_end`
+        gets its last record too (on the engine's thread), for a sender other than the ingress to hear of it."""
         self.engine_ids[key] = None
         if logprobs:
             self._with_logprobs.add(key)
+        if on_end is not None:
+            self._on_end[key] = on_end
 
     def forget(self, key: int) -> None:
         """A sequence `expect`ed and then refused: nothing is in flight under `key`."""
         self.engine_ids.pop(key, None)
         self._with_logprobs.discard(key)
+        self._on_end.pop(key, None)
 
-    def add(self, record: TokenRecord) -> None:
+    def add(self, record: TokenRecord, num_generated: int) -> None:
         key = record[0]
         self._finished[len(self.pending)] = (record[2], record[3], None)
         self.pending.append(record)
         self.engine_ids.pop(key, None)
+        on_end = self._on_end.pop(key, None) if self._on_end else None
+        if on_end is not None:
+            on_end(record, num_generated)
         if key in self._with_logprobs:
             self._with_logprobs.discard(key)
             self._last_with_logprobs = True

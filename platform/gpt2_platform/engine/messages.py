@@ -13,11 +13,10 @@ message, more than the data of a small step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, Literal, NamedTuple
 
 from gpt2_platform.engine.admission import Admission
-from gpt2_platform.engine.requests import Event, GenerationParams, TokenLogprob
+from gpt2_platform.engine.requests import GenerationParams, TokenLogprob
 
 Address = tuple[str, int]
 """An ingress's token link listener: (host, port)."""
@@ -145,26 +144,3 @@ class StepOutput(NamedTuple):
         # tuple.__new__: the generated __new__ costs a Python call, and this runs once per step
         keys, tokens = [record[0] for record in records], [record[1] for record in records]
         return tuple.__new__(cls, (keys, tokens, finished or None, logprobs))
-
-    @classmethod
-    def of_events(cls, events: Iterable[tuple[int, Event]]) -> StepOutput:
-        """From engine events under the sender's keys: a row per token, a finished event's end on its last
-        row (a row of its own, token -1, where it carries no token)."""
-        keys: list[int] = []
-        tokens: list[int] = []
-        finished: dict[int, Finish] = {}
-        logprobs: dict[int, RowLogprobs] = {}
-        for key, event in events:
-            start = len(tokens)
-            tokens.extend(event.token_ids)
-            if event.finished and len(tokens) == start:
-                tokens.append(-1)
-            keys.extend([key] * (len(tokens) - start))
-            if event.logprobs is not None or event.prompt_logprobs is not None:
-                token_logprobs = event.logprobs or []
-                for offset in range(len(tokens) - start):
-                    token_logprob = token_logprobs[offset] if offset < len(token_logprobs) else None
-                    logprobs[start + offset] = (token_logprob, event.prompt_logprobs if offset == 0 else None)
-            if event.finish_reason is not None:  # event.finished, in a form the type checker narrows
-                finished[len(tokens) - 1] = (event.finish_reason, event.error, event.completion_tokens)
-        return cls(keys, tokens, finished or None, logprobs or None)

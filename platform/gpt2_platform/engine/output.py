@@ -10,10 +10,12 @@ process that feeds the GPU. The in-process engine runs the same code on its own 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpt2_platform.engine.detokenize import ByteTable, IncrementalDetokenizer, find_stop
-from gpt2_platform.engine.requests import GenerationParams
+from gpt2_platform.engine.messages import RowLogprobs
+from gpt2_platform.engine.requests import Event, GenerationParams, LogprobStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -87,3 +89,60 @@ class TextOutput:
         text = self.detokenizer.text[self.emitted_chars : end]
         self.emitted_chars = max(self.emitted_chars, end)
         return text
+
+
+class TextStream:
+    """One sequence as a client sees it: the rows a core sends for it (a token, how it ended, its
+    log-probabilities) turned into the Events its consumer gets. Every client runs this, so text, stop
+    strings and log-probabilities are made the same way whichever transport brought the tokens."""
+
+    __slots__ = ("on_event", "output", "prompt_tokens", "seed", "logprobs")
+
+    def __init__(
+        self,
+        on_event: Callable[[Event], None],
+        output: TextOutput,
+        prompt_tokens: int,
+        seed: int,
+        logprobs: bool,
+    ) -> None:
+        self.on_event, self.output = on_event, output
+        self.prompt_tokens, self.seed = prompt_tokens, seed
+        self.logprobs = LogprobStream() if logprobs else None
+
+    def take(
+        self, key: int, token: int, reason: str | None, error: str | None, row_logprobs: RowLogprobs | None
+    ) -> Event | None:
+        """One row of the sequence's output (token -1: it ended with none); the event to hand over, or None
+        for nothing yet. The event is finished where the core ended the sequence or a stop string did
+        (then `reason` is None, and the caller must cancel it in the core)."""
+        if row_logprobs is not None:
+            token_logprob, prompt_logprobs = row_logprobs
+            assert self.logprobs is not None  # only a sequence that asked gets them
+            if token_logprob is not None:
+                self.logprobs.tokens.append(token_logprob)
+            if prompt_logprobs is not None:
+                self.logprobs.prompt = prompt_logprobs
+        if token < 0:  # aborted, failed, refused, or a prompt only scored
+            return self.final(key, [], "", reason or "error", error)
+        emitted = self.output.add(token, reason is not None)
+        if emitted is None:
+            return None
+        tokens, text, finish = emitted
+        if finish is None:
+            return self.event(key, tokens, text)
+        return self.final(key, tokens, text, finish)
+
+    def event(self, key: int, tokens: list[int], text: str) -> Event:
+        """An event with `tokens`, the next the consumer has not had, and their log-probabilities."""
+        event = Event(key, tokens, text, seed=self.seed)
+        if self.logprobs is not None:
+            event.logprobs, event.prompt_logprobs = self.logprobs.take(len(tokens))
+        return event
+
+    def final(self, key: int, tokens: list[int], text: str, reason: str, error: str | None = None) -> Event:
+        """The sequence's last event."""
+        event = self.event(key, tokens, text)
+        event.finish_reason, event.error = reason, error
+        event.prompt_tokens, event.completion_tokens = self.prompt_tokens, len(self.output.generated)
+        return event

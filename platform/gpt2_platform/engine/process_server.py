@@ -17,16 +17,16 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from gpt2_platform import gc_pauses
 from gpt2_platform.engine.link import Address, Outlet
 from gpt2_platform.engine.messages import (
     DELTA,
-    FINAL_ONLY,
     Cancel,
     Connect,
     Dead,
+    Finish,
     Ready,
     Shutdown,
     StartFailed,
@@ -35,7 +35,7 @@ from gpt2_platform.engine.messages import (
     SubmitRequest,
 )
 from gpt2_platform.engine.process import ENGINE_PROCESS_NAME, EngineSpec
-from gpt2_platform.engine.requests import Deliver, EngineDeadError, Event
+from gpt2_platform.engine.requests import EngineDeadError, TokenRecord
 
 if TYPE_CHECKING:
     from gpt2_platform.engine.engine import Engine
@@ -46,17 +46,43 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.1
 
 
-class _RequestTag:
-    """The child's `on_event` for a request of the parent's: never called (events go out in batches), it
-    names the parent's id."""
+class _ParentSink:
+    """The token sink (engine/requests.py, TokenSink) of the sequences the parent sends on the pipe: a step's
+    records go back as one StepOutput, under the parent's keys."""
 
-    __slots__ = ("request_id",)
+    def __init__(self, send: Callable[[tuple], None], ended: deque[int]) -> None:
+        self.pending: list[TokenRecord] = []
+        self.with_logprobs: set[int] = set()  # keys whose records carry log-probabilities
+        self._finished: dict[int, Finish] = {}  # row of pending -> the end of the sequence it ends
+        self._last_with_logprobs = False  # a last record this step carried log-probabilities
+        self._send, self._ended = send, ended
 
-    def __init__(self, request_id: int) -> None:
-        self.request_id = request_id
+    def add(self, record: TokenRecord, num_generated: int) -> None:
+        key = record[0]
+        self._finished[len(self.pending)] = (record[2], record[3], num_generated)
+        self.pending.append(record)
+        self._ended.append(key)  # for the command thread to forget
+        if key in self.with_logprobs:
+            self.with_logprobs.discard(key)
+            self._last_with_logprobs = True
 
-    def __call__(self, event: Event) -> None:
-        raise AssertionError("the engine process delivers events in batches")
+    def send(self) -> bool:
+        records, self.pending = self.pending, []
+        finished, self._finished = self._finished, {}
+        with_logprobs, self._last_with_logprobs = self._last_with_logprobs or bool(self.with_logprobs), False
+        if records:
+            self._send(StepOutput.of_records(records, finished, with_logprobs).wire())
+        return True
+
+    def end(self, key: int, reason: str, error: str | None, num_generated: int = 0) -> None:
+        """A sequence that had no tokens here ended: refused, failed, or its tokens went to a link."""
+        self._ended.append(key)
+        self._send(StepOutput.ended(key, reason, error, num_generated).wire())
+
+    def end_of_linked(self, key: int) -> Callable[[TokenRecord, int], None]:
+        """What a link's outlet calls with the last record of the parent's sequence `key` (its tokens went to
+        the link): the parent hears of the end at once."""
+        return lambda record, num_generated: self.end(key, record[2], record[3], num_generated)
 
 
 def refusal(engine: Engine, request: SubmitRequest) -> str | None:
@@ -146,27 +172,16 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
         with send_lock:
             conn.send(message)
 
-    def deliver(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-        """On the engine thread, once per loop iteration: all of its events for the parent in one StepOutput.
-        (The tokens of sequences that came with a token link went to their ingress, engine/link.py.)"""
-        if not batch:
-            return
-        # Every sequence the parent sends is submitted with a _RequestTag as its on_event (_submit).
-        tagged = cast("list[tuple[_RequestTag, Event]]", batch)
-        for tag, event in tagged:
-            if event.finished:
-                finished.append(tag.request_id)
-        send(StepOutput.of_events([(tag.request_id, event) for tag, event in tagged]).wire())
-
     try:
-        engine = _build_engine(conn, spec, age, deliver)
+        engine = _build_engine(conn, spec, age)
     except BaseException:
         send(StartFailed(traceback.format_exc()))
         return
     try:
         vocab_size = engine.runner.model.config.vocab_size
         send(Ready(engine.max_seq_len, vocab_size, "transformers" in sys.modules, engine.stats()))
-        _serve_commands(conn, parent_pid, engine, send, finished, _Outlets(engine), gc_pauses.GcPauses())
+        parent = _ParentSink(send, finished)
+        _serve_commands(conn, parent_pid, engine, parent, send, finished, _Outlets(engine), gc_pauses.GcPauses())
     except (EOFError, OSError):
         pass  # the parent is gone
     finally:
@@ -174,7 +189,7 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
         conn.close()
 
 
-def _build_engine(conn: Connection, spec: EngineSpec, age: float | None, deliver: Deliver) -> Engine:
+def _build_engine(conn: Connection, spec: EngineSpec, age: float | None) -> Engine:
     """Load the model, take the tokenizer the parent sent (or load it), build and warm the engine, and log
     where the time went."""
     # A replica's start-up is mostly this process's: say where it went, from the process's creation on,
@@ -198,7 +213,6 @@ def _build_engine(conn: Connection, spec: EngineSpec, age: float | None, deliver
     tokenized = time.perf_counter()
     engine = Engine(model, tokenizer, spec.config)
     built = time.perf_counter()
-    engine.deliver_in_batches(deliver)
     engine.start(spec.warmup, spec.modes)
     logger.info(
         "engine ready %.1f s after this process started (interpreter %.1f s; imports %.1f s: torch %.1f, "
@@ -224,6 +238,7 @@ def _serve_commands(
     conn: Connection,
     parent_pid: int,
     engine: Engine,
+    parent: _ParentSink,
     send: Callable[[tuple], None],
     finished: deque[int],
     outlets: _Outlets,
@@ -238,7 +253,7 @@ def _serve_commands(
             if kind is Shutdown:
                 return
             if kind is SubmitRequest:
-                _submit(engine, engine_ids, outlets, send, message)
+                _submit(engine, engine_ids, outlets, parent, message)
             elif kind is Connect:
                 try:
                     outlets.get(message.address, message.authkey)
@@ -262,19 +277,15 @@ def _serve_commands(
 
 
 def _submit_to_outlet(
-    engine: Engine, outlet: Outlet, request: SubmitRequest, on_event: Callable[[Event], None] | None
+    engine: Engine, outlet: Outlet, request: SubmitRequest, on_end: Callable[[TokenRecord, int], None] | None
 ) -> int:
     """A sequence whose tokens go to `outlet` under `request.key`, known to the outlet by its engine id (for
     the ingress's cancels) from before the engine can finish it: its last record removes the key. With
-    `on_event` (a sequence the parent sent, naming the link) the parent hears of its end too."""
+    `on_end` (a sequence the parent sent, naming the link) the parent hears of its end too."""
     key = request.key
-    outlet.expect(key, request.params.logprobs is not None)
+    outlet.expect(key, request.params.logprobs is not None, on_end)
     try:
-        if on_event is None:
-            engine_id = engine.add_request(request, outlet)
-        else:
-            prompt_ids, params = request.prompt_ids, request.params
-            engine_id = engine.submit(prompt_ids, params, on_event, tokens_only=True, sink=outlet, sink_key=key)
+        engine_id = engine.add_request(request, outlet)
     except BaseException:
         outlet.forget(key)  # refused: nothing in flight for this key
         raise
@@ -287,28 +298,26 @@ def _submit(
     engine: Engine,
     engine_ids: dict[int, int],
     outlets: _Outlets,
-    send: Callable[[tuple], None],
+    parent: _ParentSink,
     request: SubmitRequest,
 ) -> None:
     """A sequence from the parent: refused under its admission, or run, its tokens to the parent or to the link
-    it names. The engine makes no text here: a delta request's tokens come one event each, a final-only one's
-    (where the engine can hold it quietly) in one event at its end."""
-    key, prompt_ids, params = request.key, request.prompt_ids, request.params
+    it names. The engine makes no text here: a delta request's tokens come a record each, a final-only one's
+    (where the engine can hold it quietly) in one run at its end."""
+    key = request.key
     refused = refusal(engine, request)
     if refused is not None:
-        send(StepOutput.ended(key, "refused", refused).wire())
+        parent.end(key, "refused", refused)
         return
     try:
-        tag = _RequestTag(key)
         if request.link is None:
-            # Engine.submit holds a final-only sequence quietly only without stop strings, echo or logprobs;
-            # any other runs token by token, and the parent gathers its tokens.
-            final_only = request.output_kind == FINAL_ONLY
-            tokens_only = not final_only or bool(params.stop or params.echo or params.logprobs is not None)
-            engine_ids[key] = engine.submit(prompt_ids, params, tag, tokens_only=tokens_only, final_only=final_only)
+            if request.params.logprobs is not None:
+                parent.with_logprobs.add(key)
+            engine_ids[key] = engine.add_request(request, parent)
         else:
             outlet = outlets.get(request.link.address, request.link.authkey)
             linked = request._replace(key=request.link.key, output_kind=DELTA)
-            engine_ids[key] = _submit_to_outlet(engine, outlet, linked, tag)
+            engine_ids[key] = _submit_to_outlet(engine, outlet, linked, parent.end_of_linked(key))
     except (ValueError, EngineDeadError, OSError) as error:  # the parent validated; this is the engine refusing
-        send(StepOutput.ended(key, "error", f"engine refused: {error}").wire())
+        parent.with_logprobs.discard(key)
+        parent.end(key, "error", f"engine refused: {error}")

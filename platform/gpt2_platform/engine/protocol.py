@@ -1,6 +1,6 @@
 """The one interface every engine meets: what a server or a batch job may call, wherever the engine runs.
 
-`Engine` (in this process, on its own thread) and `RemoteEngine` (an engine deployment seen from an
+`LocalEngine` (an `Engine` in this process, engine/local.py) and `RemoteEngine` (an engine deployment seen from an
 ingress replica, serve/engine_client.py) satisfy it, so the code in front of an engine does not change
 with where the engine runs. `EngineProcess` (engine/process.py) is the engine deployment's client of its
 child process: it takes the typed request of engine/messages.py and hands back token ids, no text.

@@ -105,7 +105,7 @@ log-probabilities with echo, sent once, or None)."""
 
 
 class TokenSink(Protocol):
-    """Where the engine puts the tokens of the sequences submitted with it (`Engine.submit(sink=...)`):
+    """Where the engine puts the tokens of the sequences submitted with it (`Engine.add_request`):
     one record per token, gathered during an engine iteration and sent once at its end. No Event is
     built for them: at hundreds of sequences a step, that per-token object was a large share of the
     engine's host time (engine/link.py's Outlet is the one sink)."""
@@ -113,8 +113,8 @@ class TokenSink(Protocol):
     pending: list[TokenRecord]
     """Records of the iteration so far; the engine appends each token's record here."""
 
-    def add(self, record: TokenRecord) -> None:
-        """Take a sequence's last record (a finish reason set)."""
+    def add(self, record: TokenRecord, num_generated: int) -> None:
+        """Take a sequence's last record (a finish reason set), and how many tokens it generated in all."""
 
     def send(self) -> bool:
         """Send the pending records on; False if the consumer is gone."""

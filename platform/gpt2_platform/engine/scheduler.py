@@ -11,15 +11,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from gpt2_platform.engine.admission import Admission, DrainRate, Refusal, decide
 from gpt2_platform.engine.buffers import Launch
-from gpt2_platform.engine.output import TextOutput
-from gpt2_platform.engine.requests import Event, GenerationParams, LogprobStream, TokenSink
+from gpt2_platform.engine.requests import GenerationParams, LogprobStream, TokenSink
 from gpt2_platform.engine.runner import ModelRunner
 
 Started = tuple[Launch, np.ndarray, np.ndarray]
@@ -31,10 +29,8 @@ class Sequence:
     request_id: int
     prompt: list[int]
     params: GenerationParams
-    on_event: Callable[[Event], None] | None  # None: a sink's sequence that no one else waits on
-    output: TextOutput | None  # None: events carry tokens only, and the consumer makes the text
-    sink: TokenSink | None = None  # takes its tokens as records, with no Event each
-    sink_key: int = 0
+    sink: TokenSink  # takes its tokens as records (engine/requests.py, TokenRecord), no text
+    sink_key: int
     slot: int = -1
     # Its tokens so far; a quiet sequence's stay in the scheduler's token table until it finishes.
     generated: list[int] = field(default_factory=list)

@@ -34,13 +34,12 @@ from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.detokenize import ByteTable
 from gpt2_platform.engine.link import Inlet, Link
 from gpt2_platform.engine.messages import DELTA, LinkTarget, StepOutput, SubmitRequest
-from gpt2_platform.engine.output import TextOutput
+from gpt2_platform.engine.output import TextOutput, TextStream
 from gpt2_platform.engine.requests import (
     Deliver,
     EngineDeadError,
     Event,
     GenerationParams,
-    LogprobStream,
     hand_over,
     validate_request,
 )
@@ -62,24 +61,12 @@ _CONNECT_INTERVAL_S = 2.0
 
 @dataclass
 class _Remote:
-    on_event: Callable[[Event], None]
-    output: TextOutput
-    prompt_tokens: int
-    seed: int
+    stream: TextStream
     response: DeploymentResponse | None = None
     link: Link | None = None
-    # With logprobs: one per token in output.generated, and the prompt's (echo), until events carry them.
-    logprobs: LogprobStream | None = None
     # What went over the link: sent again to another engine if its engine is lost before the first token,
     # when nothing of it has reached the client.
     sent: SubmitRequest | None = None
-
-    def event(self, key: int, tokens: list[int], text: str) -> Event:
-        """An event with `tokens`, the next the consumer has not had, and their log-probabilities."""
-        event = Event(key, tokens, text, seed=self.seed)
-        if self.logprobs is not None:
-            event.logprobs, event.prompt_logprobs = self.logprobs.take(len(tokens))
-        return event
 
 
 class RemoteEngine:
@@ -161,9 +148,7 @@ class RemoteEngine:
         self.validate(prompt_ids, params)
         key = next(self._ids)
         output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
-        sequence = _Remote(on_event, output, len(prompt_ids), sampling.seed)
-        if params.logprobs is not None:
-            sequence.logprobs = LogprobStream()
+        sequence = _Remote(TextStream(on_event, output, len(prompt_ids), sampling.seed, params.logprobs is not None))
         # Stop strings are applied here, on the text (`output`); the engine ends sequences by token only.
         engine_params = dataclasses.replace(params, stop=(), sampling=sampling)
         self._sequences[key] = sequence
@@ -195,7 +180,7 @@ class RemoteEngine:
         if sequence is None:
             return
         self._release(request_id, sequence)
-        self._hand_over([(sequence.on_event, self._final(request_id, sequence, [], "", "abort"))])
+        self._hand_over([(sequence.stream.on_event, sequence.stream.final(request_id, [], "", "abort"))])
 
     def stats(self) -> dict[str, Any]:
         """What this replica has in flight, and over how many token links; the engines' own counters come
@@ -227,44 +212,21 @@ class RemoteEngine:
             sequence = sequences.get(key)
             if sequence is None:
                 continue  # finished here already (a stop string, a cancel): the engine's tail is dropped
-            reason, error, _ = finished.get(row, _GOING_ON)
-            if logprobs is not None and row in logprobs:  # a sequence that asked for them
-                token_logprob, prompt_logprobs = logprobs[row]
-                stream = sequence.logprobs
-                assert stream is not None  # only a sequence that asked gets them, and submit gave it one
-                if token_logprob is not None:
-                    stream.tokens.append(token_logprob)
-                if prompt_logprobs is not None:
-                    stream.prompt = prompt_logprobs
             if sequence.link is None:
                 sequence.link = link
                 link.keys.add(key)
-            if token < 0:  # aborted or failed in the engine
+            reason, error, _ = finished.get(row, _GOING_ON)
+            row_logprobs = logprobs.get(row) if logprobs is not None else None
+            event = sequence.stream.take(key, token, reason, error, row_logprobs)
+            if event is None:
+                continue
+            if event.finished:
                 del sequences[key]
                 link.keys.discard(key)
-                batch.append((sequence.on_event, self._final(key, sequence, [], "", reason or "error", error)))
-                continue
-            emitted = sequence.output.add(token, reason is not None)
-            if emitted is None:
-                continue
-            tokens, text, finish = emitted
-            if finish is None:
-                batch.append((sequence.on_event, sequence.event(key, tokens, text)))
-                continue
-            del sequences[key]
-            link.keys.discard(key)
-            if reason is None:  # a stop string ended it here, before the engine would have
-                self._release(key, sequence)
-            batch.append((sequence.on_event, self._final(key, sequence, tokens, text, finish)))
+                if reason is None:  # a stop string ended it here, before the engine would have
+                    self._release(key, sequence)
+            batch.append((sequence.stream.on_event, event))
         self._hand_over(batch)
-
-    def _final(
-        self, key: int, sequence: _Remote, tokens: list[int], text: str, reason: str, error: str | None = None
-    ) -> Event:
-        event = sequence.event(key, tokens, text)
-        event.finish_reason, event.error = reason, error
-        event.prompt_tokens, event.completion_tokens = sequence.prompt_tokens, len(sequence.output.generated)
-        return event
 
     def _hand_over(self, batch: list[tuple[Callable[[Event], None], Event]]) -> None:
         hand_over(batch, self._deliver)
@@ -327,7 +289,7 @@ class RemoteEngine:
         del self._sequences[key]
         if sequence.link is not None:
             sequence.link.keys.discard(key)
-        self._hand_over([(sequence.on_event, self._final(key, sequence, [], "", reason, error))])
+        self._hand_over([(sequence.stream.on_event, sequence.stream.final(key, [], "", reason, error))])
 
     def _link_lost(self, link: Link) -> None:
         """On the reader thread, when an engine's connection ends: its sequences fail (on the loop)."""
@@ -349,7 +311,7 @@ class RemoteEngine:
         refused (it was admitted once): a request that met a dying engine, or a node lost, in that window
         still succeeds. One with tokens already out is not: they may have reached the client."""
         link = self._least_loaded_link()
-        if link is None or sequence.sent is None or sequence.output.generated:
+        if link is None or sequence.sent is None or sequence.stream.output.generated:
             return False
         if not link.submit(sequence.sent._replace(admission=None)):
             return False
