@@ -299,7 +299,7 @@ def test_bad_requests_are_refused_with_a_reason(engine, prompt, params, message)
     with pytest.raises(ValueError, match=message):
         if isinstance(params, dict):  # SamplingParams refuses bad values as it is built
             params = GenerationParams(sampling=SamplingParams(**params))
-        engine.add_request(SubmitRequest(0, prompt, params), RecordingSink())
+        engine.submit(SubmitRequest(0, prompt, params), RecordingSink())
     assert engine.stats()["waiting"] == 0
 
 
@@ -367,7 +367,7 @@ def test_a_sinks_sequences_send_one_record_per_token_and_their_end_on_the_last(e
     expected = [engine.generate([p], greedy(n))[0].token_ids for p, n in zip(prompts, lengths, strict=True)]
     sink = RecordingSink()
     for key, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
-        engine.add_request(SubmitRequest(key, prompt, greedy(n)), sink)
+        engine.submit(SubmitRequest(key, prompt, greedy(n)), sink)
     assert wait_until(lambda: sum(r[2] is not None for m in sink.messages for r in m) == 3, timeout_s=30)
     records = [r for message in sink.messages for r in message]
     for key, tokens in enumerate(expected):
@@ -384,8 +384,8 @@ def test_a_typed_request_gets_records_per_token_as_delta_and_in_one_run_at_its_e
     lengths = [1, 17]
     delta, final = RecordingSink(), RecordingSink()
     for key, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
-        engine.add_request(SubmitRequest(key, prompt, greedy(n)), delta)
-        engine.add_request(SubmitRequest(key, prompt, greedy(n), FINAL_ONLY), final)
+        engine.submit(SubmitRequest(key, prompt, greedy(n)), delta)
+        engine.submit(SubmitRequest(key, prompt, greedy(n), FINAL_ONLY), final)
     for sink in (delta, final):
         assert wait_until(lambda s=sink: sum(r[2] is not None for m in s.messages for r in m) == 2, timeout_s=30)
     for key in range(2):
@@ -442,7 +442,7 @@ def test_quiet_sequences_end_with_one_run_holding_what_a_streamed_one_gets(engin
         assert completion.finish_reason == "length" and completion.completion_tokens == p.max_tokens
 
     sink = RecordingSink()
-    engine.add_request(SubmitRequest(0, prompts[0], params[2], FINAL_ONLY), sink)
+    engine.submit(SubmitRequest(0, prompts[0], params[2], FINAL_ONLY), sink)
     assert wait_until(lambda: any(r[2] is not None for m in sink.messages for r in m), timeout_s=60)
     (records,) = sink.messages
     assert records[-1][2] == "length" and len(records) == 30

@@ -75,7 +75,7 @@ def measure(
         if sink:
             to = Sink()
             for key, prompt in enumerate(prompts):
-                engine.add_request(SubmitRequest(key, prompt, params, output_kind), to)
+                engine.submit(SubmitRequest(key, prompt, params, output_kind), to)
             while to.finished < sequences:
                 time.sleep(0.001)
         elif incremental:  # events with text, made by the in-process client

@@ -4,7 +4,7 @@ One background thread owns the model. Each iteration it admits waiting
 requests into free cache slots (a batched prefill that yields their first
 token), then runs one decode step for every running sequence. A request joins
 at the next step and leaves the step it finishes, so nobody waits for a batch
-to drain. Consumers submit from any thread: `add_request` takes the typed request
+to drain. Consumers submit from any thread: `Engine.submit` takes the typed request
 (engine/messages.py) and puts token records into a sink, no text. The text is the
 clients': engine/local.py's for a server in this process, engine/collect.py's for
 `generate()`, which blocks on a block of requests (Ray Data).
@@ -74,7 +74,7 @@ logger = logging.getLogger(__name__)
 
 
 class Engine:
-    """The engine core in this process: add_request, cancel, generate and stats from any thread; one loop
+    """The engine core in this process: submit, cancel, generate and stats from any thread; one loop
     thread runs the scheduler and the model and puts the output into each request's sink."""
 
     def __init__(
@@ -156,7 +156,7 @@ class Engine:
         """Raise ValueError for a request the engine cannot take, naming what is wrong."""
         validate_request(prompt_ids, params, self.max_seq_len, self.runner.model.config.vocab_size)
 
-    def add_request(self, request: SubmitRequest, sink: TokenSink) -> int:
+    def submit(self, request: SubmitRequest, sink: TokenSink) -> int:
         """The core's entry: queue `request`'s sequence, its output to `sink` as records under `request.key`
         (engine/requests.py, TokenRecord). "delta": a record per token as it comes. "final": the sequence is
         held quietly (its tokens taken in a step at a time with numpy, no Python per token) and its records
@@ -197,7 +197,7 @@ class Engine:
         params = [dataclasses.replace(p, sampling=p.sampling.resolved()) for p in params]  # Completion.seed
         sink = CompletionSink(self.tokenizer, self.byte_table, self.eos_token_id, params, self.cancel)
         for key, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            sink.started(self.add_request(SubmitRequest(key, prompt, p, DELTA if p.stop else FINAL_ONLY), sink))
+            sink.started(self.submit(SubmitRequest(key, prompt, p, DELTA if p.stop else FINAL_ONLY), sink))
         while not sink.wait(timeout_s=1.0):
             self.check_health()
         return sink.completions(prompts)

@@ -32,10 +32,10 @@ class LocalEngine:
         self.pending: list[TokenRecord] = []
         self._deliver: Deliver | None = None
         self._ids = itertools.count(1)
-        # key -> its stream until it ends; key -> the engine's id, for cancels, once add_request returned it
+        # key -> its stream until it ends; key -> the engine's id, for cancels, once Engine.submit returned it
         self._streams: dict[int, TextStream] = {}
         self._engine_ids: dict[int, int] = {}
-        self._stopped_early: set[int] = set()  # ended by a stop string before add_request returned
+        self._stopped_early: set[int] = set()  # ended by a stop string before Engine.submit returned
         self._lock = threading.Lock()
 
     def check_health(self) -> None:
@@ -69,10 +69,10 @@ class LocalEngine:
         key = next(self._ids)
         stream = TextStream(on_event, output, len(prompt_ids), params.sampling.seed, params.logprobs is not None)
         with self._lock:
-            self._streams[key] = stream  # before add_request: its first records may come at once
+            self._streams[key] = stream  # before Engine.submit: its first records may come at once
         try:
             # Stop strings are this client's: the core ends a sequence by token only.
-            engine_id = engine.add_request(SubmitRequest(key, list(prompt_ids), params, DELTA), self)
+            engine_id = engine.submit(SubmitRequest(key, list(prompt_ids), params, DELTA), self)
         except BaseException:
             with self._lock:
                 del self._streams[key]

@@ -285,7 +285,7 @@ def _submit_to_outlet(
     key = request.key
     outlet.expect(key, request.params.logprobs is not None, on_end)
     try:
-        engine_id = engine.add_request(request, outlet)
+        engine_id = engine.submit(request, outlet)
     except BaseException:
         outlet.forget(key)  # refused: nothing in flight for this key
         raise
@@ -313,7 +313,7 @@ def _submit(
         if request.link is None:
             if request.params.logprobs is not None:
                 parent.with_logprobs.add(key)
-            engine_ids[key] = engine.add_request(request, parent)
+            engine_ids[key] = engine.submit(request, parent)
         else:
             outlet = outlets.get(request.link.address, request.link.authkey)
             linked = request._replace(key=request.link.key, output_kind=DELTA)

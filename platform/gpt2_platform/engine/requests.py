@@ -105,7 +105,7 @@ log-probabilities with echo, sent once, or None)."""
 
 
 class TokenSink(Protocol):
-    """Where the engine puts the tokens of the sequences submitted with it (`Engine.add_request`):
+    """Where the engine puts the tokens of the sequences submitted with it (`Engine.submit`):
     one record per token, gathered during an engine iteration and sent once at its end. No Event is
     built for them: at hundreds of sequences a step, that per-token object was a large share of the
     engine's host time (engine/link.py's Outlet is the one sink)."""
