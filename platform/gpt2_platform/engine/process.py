@@ -225,7 +225,7 @@ class EngineProcess:
             raise EngineDeadError("engine process is not running")
 
     def deliver_in_batches(self, deliver: Deliver) -> None:
-        """Each engine step's events in one call, from the reader thread, as `Engine.deliver_in_batches`."""
+        """Each engine step's events in one call, from the reader thread, as `LocalEngine.deliver_in_batches`."""
         self._deliver = deliver
 
     # ---- submitting --------------------------------------------------------------------------
