@@ -39,6 +39,10 @@ def build(args: argparse.Namespace, device: torch.device):
     if args.lora:
         apply_lora(model, LoraConfig(r=args.lora))
     model.to(weights_dtype(optim))
+    if args.lora and args.frozen_bf16:  # the frozen base in bf16: half its memory, no cast per forward
+        for param in model.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
     blocks = model.transformer.h
     count = len(blocks) if args.checkpoint_blocks < 0 else args.checkpoint_blocks
     for index in range(len(blocks)):
@@ -60,6 +64,7 @@ def main() -> int:
     parser.add_argument("--optim", default="adamw8bit")
     parser.add_argument("--offload", default="none")
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    parser.add_argument("--frozen-bf16", action="store_true", help="with --lora: hold the frozen base in bf16")
     parser.add_argument("--cap", type=float, default=24.0, help="GiB")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
