@@ -27,9 +27,11 @@ pytestmark = pytest.mark.slow
 MARKER_VAR = "GPT2_PLATFORM_TEST_MULTINODE_BATCH"
 NUM_PROMPTS = 300
 
-# The driver: a head without CPUs (so both actors land on workers), two workers of 2 CPUs (the job asks for
-# an actor each and one CPU to read with; the survivor takes the restarted actor), a run without faults, then
-# the same run losing the node of one of its actors once a few batches are staged.
+# The driver: a head without CPUs (so both actors land on workers), two workers of 3 CPUs, a run without
+# faults, then the same run losing the node of one of its actors once a few batches are staged. The survivor
+# must hold both actors (the restarted one joins it) and still have the CPU the job keeps for reading: Ray
+# re-runs the read tasks whose blocks died with the node, and with 2 CPUs a worker the restarted actor took
+# the last one and the job waited for a CPU forever.
 DRIVER = """
 import json, sys, threading, time
 from pathlib import Path
@@ -57,7 +59,7 @@ cluster = Cluster(
         },
     },
 )
-workers = [cluster.add_node(num_cpus=2, resources={f"worker_{i}": 1}) for i in range(2)]
+workers = [cluster.add_node(num_cpus=3, resources={f"worker_{i}": 1}) for i in range(2)]
 cluster.wait_for_nodes()
 ray.init(address=cluster.address)
 ray.data.DataContext.get_current().enable_progress_bars = False
