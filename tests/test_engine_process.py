@@ -1,7 +1,7 @@
 """The engine in a child process (engine/process.py): the same tokens as in process, events per step,
 cancel, validation in the parent, a child that dies or whose parent dies, and the token link to an ingress.
 
-The child makes no text: the tests that compare text make it in this process (helpers_engine_process.py).
+The child makes no text: its client (engine/local.py) makes it in this process (helpers_engine_process.py).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from gpt2_platform import checkpoint
 from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.engine import Engine, EngineConfig, EngineDeadError, Event, GenerationParams
 from gpt2_platform.engine.link import Inlet, Link
-from gpt2_platform.engine.local import LocalEngine
-from gpt2_platform.engine.messages import FINAL_ONLY, LinkTarget, StepOutput
+from gpt2_platform.engine.local import EngineClient, LocalEngine
+from gpt2_platform.engine.messages import FINAL_ONLY, LinkTarget, StepOutput, SubmitRequest
 from gpt2_platform.engine.process import EngineProcess, EngineStartError
 from gpt2_platform.engine.sampling import SamplingParams
 from gpt2_platform.tokenizer import load_tokenizer
-from helpers_engine_process import TextEngineProcess
+from helpers_engine_process import OWN_KEYS, CoreRows, process_client
 from test_serve import wait_until
 
 model_dir = test_serve.model_dir  # the fixture: a tiny model trained to write ASCII, with the byte tokenizer
@@ -58,9 +58,7 @@ class Recorder:
             assert self.finished.acquire(timeout=timeout_s), "a request did not finish"
 
 
-def run_to_end(
-    engine: LocalEngine | TextEngineProcess, prompts: list[list[int]], params: GenerationParams
-) -> list[list[Event]]:
+def run_to_end(engine: EngineClient, prompts: list[list[int]], params: GenerationParams) -> list[list[Event]]:
     recorder = Recorder()
     ids = [engine.submit(prompt, params, recorder) for prompt in prompts]
     recorder.wait(len(ids))
@@ -83,8 +81,8 @@ def batches() -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def engine_process(model_dir: Path, batches: list[int]) -> Iterator[TextEngineProcess]:
-    engine = TextEngineProcess(str(model_dir), str(model_dir), CONFIG).start()
+def engine_process(model_dir: Path, batches: list[int]) -> Iterator[EngineClient]:
+    engine = process_client(str(model_dir), str(model_dir), CONFIG)
 
     def deliver(batch: list[tuple[Callable[[Event], None], Event]]) -> None:
         batches.append(len(batch))
@@ -98,7 +96,7 @@ def engine_process(model_dir: Path, batches: list[int]) -> Iterator[TextEnginePr
 
 def test_the_child_gets_a_byte_level_tokenizer_from_its_parent_and_never_imports_transformers(engine_process):
     """transformers' import was seconds of a replica's start; the parent loads the tokenizer meanwhile."""
-    assert engine_process.child_imported_transformers is False
+    assert engine_process.core.child_imported_transformers is False
 
 
 def word_level_tokenizer(directory: Path, eos: bool) -> Path:
@@ -117,9 +115,9 @@ def word_level_tokenizer(directory: Path, eos: bool) -> Path:
 
 def test_a_tokenizer_that_is_not_byte_level_is_loaded_by_the_child_and_a_bad_one_fails_at_once(model_dir, tmp_path):
     words = word_level_tokenizer(tmp_path / "words", eos=True)
-    engine = TextEngineProcess(str(model_dir), str(words), CONFIG, warmup=False).start()
+    engine = process_client(str(model_dir), str(words), CONFIG, warmup=False)
     try:
-        assert engine.child_imported_transformers is True
+        assert engine.core.child_imported_transformers is True
         [events] = run_to_end(engine, [[1, 2]], greedy(6))
         ids = [token for event in events for token in event.token_ids]
         assert len(ids) == 6 and all(token < 5 for token in ids)  # only the tokenizer's ids are sampled
@@ -206,14 +204,13 @@ def test_cancel_frees_a_running_slot_and_ends_a_waiting_request_at_once(engine_p
     assert engine_process.stats()["running"] == engine_process.stats()["waiting"] == 0
 
 
-def test_a_final_only_request_gets_one_event_with_every_token_and_a_refusal_comes_as_an_event(engine_process):
+def test_a_final_only_request_gets_one_event_with_every_token_and_a_refusal_comes_as_an_end(engine_process):
     """output_kind "final": one event at the end, the deltas' tokens in order (quiet in the engine, or gathered
     here where it asked for log-probabilities); an admission the engine cannot meet ends it "refused"."""
-    process = engine_process.process
     [deltas] = run_to_end(engine_process, [list(b"bob")], greedy(12))
     for params in (greedy(12), dataclasses.replace(greedy(12), logprobs=2)):
         recorder = Recorder()
-        process.submit(list(b"bob"), params, recorder, output_kind=FINAL_ONLY)
+        engine_process.submit(list(b"bob"), params, recorder, output_kind=FINAL_ONLY)
         recorder.wait(1)
         [[final]] = recorder.events.values()
         assert final.token_ids == [t for e in deltas for t in e.token_ids] and final.finish_reason == "length"
@@ -222,21 +219,25 @@ def test_a_final_only_request_gets_one_event_with_every_token_and_a_refusal_come
         assert params.logprobs is None or len(final.logprobs) == 12
     # Busy: 4 slots full of long sequences, and no queue allowed.
     recorder = Recorder()
-    long_ids = [process.submit(list(b"a long story"), greedy(110), recorder) for _ in range(4)]
+    long_ids = [engine_process.submit(list(b"a long story"), greedy(110), recorder) for _ in range(4)]
     assert wait_until(lambda: len(recorder.events) == 4, timeout_s=30)
-    refused = Recorder()
-    process.submit(list(b"x"), greedy(2), refused, admission=Admission(max_waiting=0, max_wait_s=0.0))
-    refused.wait(1)
-    [[event]] = refused.events.values()
-    assert event.finish_reason == "refused" and "retry after" in event.error
+    rows = CoreRows(engine_process)
+    try:
+        admission = Admission(max_waiting=0, max_wait_s=0.0)
+        engine_process.core.submit(SubmitRequest(OWN_KEYS, list(b"x"), greedy(2), admission=admission))
+        assert wait_until(lambda: rows.ended(OWN_KEYS), timeout_s=30)
+    finally:
+        rows.close()
+    [(token, (reason, error, _), _)] = rows.rows[OWN_KEYS]
+    assert token == -1 and reason == "refused" and "retry after" in error
     for request_id in long_ids:
-        process.cancel(request_id)
+        engine_process.cancel(request_id)
     recorder.wait(4)
 
 
 def test_a_bad_request_is_refused_in_the_parent(engine_process, monkeypatch):
     sent = []
-    monkeypatch.setattr(engine_process.process, "_send", sent.append)
+    monkeypatch.setattr(engine_process.core, "_send", sent.append)
     cases = [
         ([], greedy(4), "empty"),
         ([1, 300], greedy(4), "vocabulary"),
@@ -251,26 +252,25 @@ def test_a_bad_request_is_refused_in_the_parent(engine_process, monkeypatch):
 
 def test_the_process_is_titled_as_the_engine_of_its_model(engine_process, model_dir):
     """`ps` shows what it is, not `python -c import sys ...` (bench/processes.py reads the first word)."""
-    words = Path(f"/proc/{engine_process.pid}/cmdline").read_bytes().split(b"\0")
+    words = Path(f"/proc/{engine_process.core.pid}/cmdline").read_bytes().split(b"\0")
     assert [word.decode() for word in words if word] == [f"gpt2-engine {model_dir}"]
 
 
 def test_a_killed_child_fails_pending_requests_and_health(model_dir):
     exits: list[tuple[float, str]] = []
-    engine = TextEngineProcess(
+    engine = process_client(
         str(model_dir),
         str(model_dir),
         EngineConfig(max_batch_size=2, dtype="fp32"),
         warmup=False,
         on_exit=lambda why: exits.append((time.monotonic(), why)),
     )
-    engine.start()
     try:
         recorder = Recorder()
         ids = [engine.submit(list(b"keep going"), greedy(240), recorder) for _ in range(4)]
         assert wait_until(lambda: recorder.events, timeout_s=30), "no event before the kill"
         killed = time.monotonic()
-        os.kill(engine.pid, signal.SIGKILL)
+        os.kill(engine.core.pid, signal.SIGKILL)
         recorder.wait(len(ids), timeout_s=10)
         last = [recorder.events[i][-1] for i in ids]
         assert all(e.finish_reason == "error" and "exit code -9" in e.error for e in last), last
@@ -367,15 +367,19 @@ class Ingress:
 
 def test_tokens_go_over_the_link_one_message_per_step_and_the_parent_hears_only_the_end(engine_process, model_dir):
     ingress = Ingress()
-    ends: list[Event] = []
     prompts = [list(b"alice has 3 apples."), list(b"bob")]
-    for key, prompt in enumerate(prompts, start=1):
-        engine_process.process.submit(prompt, greedy(30), ends.append, link=ingress.outlet(key))
-    assert wait_until(lambda: len(ends) == 2, timeout_s=30)
+    rows = CoreRows(engine_process)
+    try:
+        for key, prompt in enumerate(prompts, start=1):
+            engine_process.core.submit(SubmitRequest(OWN_KEYS + key, prompt, greedy(30), link=ingress.outlet(key)))
+        assert wait_until(lambda: rows.ended(OWN_KEYS + 1) and rows.ended(OWN_KEYS + 2), timeout_s=30)
+    finally:
+        rows.close()
     assert wait_until(lambda: sum(1 for r in ingress.records if r[2] is not None) == 2, timeout_s=5)
-    # The parent got each sequence's end with its counts and no tokens or text; the ingress got the tokens.
-    assert all(e.finish_reason == "length" and e.token_ids == [] and e.text == "" for e in ends)
-    assert sorted(e.completion_tokens for e in ends) == [30, 30]
+    # The parent got each sequence's end with its count and no tokens; the ingress got the tokens.
+    ends = [rows.rows[OWN_KEYS + key] for key in (1, 2)]
+    assert all(len(end) == 1 and end[0][0] == -1 and end[0][1][0] == "length" for end in ends), ends
+    assert sorted(end[0][1][2] for end in ends) == [30, 30]
     tokens = {key: [r[1] for r in ingress.records if r[0] == key] for key in (1, 2)}
     expected = run_to_end(
         LocalEngine(
@@ -398,13 +402,17 @@ def test_tokens_go_over_the_link_one_message_per_step_and_the_parent_hears_only_
 
 def test_a_cancel_on_the_link_frees_the_slot_and_a_wrong_key_is_refused(engine_process):
     ingress = Ingress()
-    ends: list[Event] = []
-    engine_process.process.submit(list(b"a long story"), greedy(110), ends.append, link=ingress.outlet(7))
-    # Cancel as soon as tokens come: polled every 0.1 s, the whole sequence (110 steps of a tiny model) once
-    # finished before the cancel was sent.
-    assert wait_until(lambda: ingress.records, timeout_s=30, interval_s=0.001)
-    ingress.links[0].cancel(7)
-    assert wait_until(lambda: ends, timeout_s=10) and ends[0].finish_reason == "abort"
+    rows = CoreRows(engine_process)
+    try:
+        engine_process.core.submit(SubmitRequest(OWN_KEYS, list(b"a long story"), greedy(110), link=ingress.outlet(7)))
+        # Cancel as soon as tokens come: polled every 0.1 s, the whole sequence (110 steps of a tiny model) once
+        # finished before the cancel was sent.
+        assert wait_until(lambda: ingress.records, timeout_s=30, interval_s=0.001)
+        ingress.links[0].cancel(7)
+        assert wait_until(lambda: rows.ended(OWN_KEYS), timeout_s=10)
+    finally:
+        rows.close()
+    assert rows.rows[OWN_KEYS][-1][1][0] == "abort"
     assert len(ingress.records) < 110
     # A client that does not hold the ingress's key cannot feed it tokens.
     from multiprocessing.connection import AuthenticationError, Client

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 
-from gpt2_platform.engine.messages import Address, Cancel, Finish, StepOutput, SubmitRequest
+from gpt2_platform.engine.messages import Address, Cancel, StepOutput, StepSink, SubmitRequest
 from gpt2_platform.engine.requests import TokenRecord
 
 logger = logging.getLogger(__name__)
@@ -128,13 +128,10 @@ class Link:
             return False
 
 
-class Outlet:
-    """The engine's end of one ingress's link: records gathered during a step, sent as one `StepOutput`.
-
-    The engine's token sink (engine/requests.py: TokenSink): the engine appends a record per token to
-    `pending` and hands each sequence's last one to `add`; `send` runs on the engine's thread once per
-    step. A link that fails (its ingress is gone) is closed, and `on_cancel` gets the engine id of
-    each of its sequences, so the engine frees their slots.
+class Outlet(StepSink):
+    """The engine's end of one ingress's link: the engine's token sink for the sequences on it, each step's
+    records sent as one `StepOutput`. A link that fails (its ingress is gone) is closed, and `on_cancel`
+    gets the engine id of each of its sequences, so the engine frees their slots.
     """
 
     def __init__(
@@ -144,6 +141,7 @@ class Outlet:
         on_cancel: Callable[[int], None],
         on_submit: Callable[[Outlet, SubmitRequest], None] | None = None,
     ) -> None:
+        super().__init__()
         self.address = address
         host, port = address  # Client takes only a tuple, whatever sequence the caller passed
         self.conn = Client((host, port), family="AF_INET", authkey=authkey)
@@ -153,11 +151,7 @@ class Outlet:
         self._send_lock = threading.Lock()  # the engine's thread sends steps, the reader refusals
         # key -> the engine's request id (None for the moment it is being submitted), for cancels
         self.engine_ids: dict[int, int | None] = {}
-        self.pending: list[TokenRecord] = []
-        self._finished: dict[int, Finish] = {}  # row of pending -> the end of the sequence it ends
-        self._with_logprobs: set[int] = set()  # keys whose records carry log-probabilities
         self._on_end: dict[int, Callable[[TokenRecord, int], None]] = {}  # keys whose end someone else awaits
-        self._last_with_logprobs = False  # a last record (`add`) this step carried log-probabilities
         self.closed = False
         self._reader = threading.Thread(target=self._read, name="gpt2-outlet-reader", daemon=True)
         self._reader.start()
@@ -167,40 +161,28 @@ class Outlet:
         gets its last record too (on the engine's thread), for a sender other than the ingress to hear of it."""
         self.engine_ids[key] = None
         if logprobs:
-            self._with_logprobs.add(key)
+            self.with_logprobs.add(key)
         if on_end is not None:
             self._on_end[key] = on_end
 
     def forget(self, key: int) -> None:
         """A sequence `expect`ed and then refused: nothing is in flight under `key`."""
         self.engine_ids.pop(key, None)
-        self._with_logprobs.discard(key)
+        self.with_logprobs.discard(key)
         self._on_end.pop(key, None)
 
-    def add(self, record: TokenRecord, num_generated: int) -> None:
-        key = record[0]
-        self._finished[len(self.pending)] = (record[2], record[3], None)
-        self.pending.append(record)
+    def ended(self, key: int, record: TokenRecord, num_generated: int) -> None:
         self.engine_ids.pop(key, None)
         on_end = self._on_end.pop(key, None) if self._on_end else None
         if on_end is not None:
             on_end(record, num_generated)
-        if key in self._with_logprobs:
-            self._with_logprobs.discard(key)
-            self._last_with_logprobs = True
 
     def send(self) -> bool:
         """Send what the step gathered; False if the link is gone (its sequences are cancelled)."""
-        if not self.pending or self.closed:
-            self.pending.clear()
-            self._finished.clear()
-            self._last_with_logprobs = False
-            return not self.closed
-        with_logprobs = self._last_with_logprobs or bool(self._with_logprobs)
-        records, self.pending = self.pending, []
-        finished, self._finished = self._finished, {}
-        self._last_with_logprobs = False
-        return self.send_now(StepOutput.of_records(records, finished, with_logprobs))
+        output = self.output()
+        if self.closed:
+            return False
+        return output is None or self.send_now(output)
 
     def send_now(self, output: StepOutput) -> bool:
         try:
@@ -241,7 +223,7 @@ class Outlet:
             if engine_id is not None:
                 self.on_cancel(engine_id)
         self.engine_ids.clear()
-        self._with_logprobs.clear()
+        self.with_logprobs.clear()
 
 
 def _no_delay(conn: Connection) -> None:

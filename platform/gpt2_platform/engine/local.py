@@ -1,54 +1,65 @@
-"""An `Engine` in this process behind the client interface (engine/protocol.py), as the engine process's and
-the ingress's clients put theirs: the core takes typed requests and gives token records, and this client
-turns them into events with text (engine/output.py, TextStream) outside the core.
+"""The client of an engine core, in this process or in its own: the engine interface (engine/protocol.py) over
+the core's typed requests and step outputs, the events and their text made here (engine/output.py).
 
-The records come on the engine's thread, once per step, and the events go out from there: through the
-`deliver_in_batches` function in one call where one was given, else each to its own callback.
+A core takes `SubmitRequest`s under the client's keys and hands each step's output to the client as one
+`StepOutput`: `EngineProcess` (engine/process.py) over its pipe, and `InProcessCore` here for an `Engine` in
+this process. The events go out from the core's thread once per step: through the `deliver_in_batches`
+function in one call where one was given, else each to its own callback.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from gpt2_platform.engine.messages import DELTA, SubmitRequest
-from gpt2_platform.engine.output import TextOutput, TextStream
-from gpt2_platform.engine.requests import Deliver, Event, GenerationParams, TokenRecord, hand_over
+from gpt2_platform.engine.messages import DELTA, OutputKind, StepOutput, StepSink, SubmitRequest
+from gpt2_platform.engine.output import OutputProcessor, TextStream
+from gpt2_platform.engine.requests import Event, GenerationParams, TokenRecord
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from gpt2_platform.engine.detokenize import ByteTable
     from gpt2_platform.engine.engine import Engine
 
 
-class LocalEngine:
-    """The client of an `Engine` in this process, and the token sink (engine/requests.py, TokenSink) of every
-    sequence it submits."""
+class EngineCore(Protocol):
+    """An engine as its client drives it: by the client's keys, every sequence's output (its end included,
+    however it ends) to `on_output`, a StepOutput per step."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.max_seq_len = engine.max_seq_len
-        self.pending: list[TokenRecord] = []
-        self._deliver: Deliver | None = None
-        self._ids = itertools.count(1)
-        # key -> its stream until it ends; key -> the engine's id, for cancels, once Engine.submit returned it
-        self._streams: dict[int, TextStream] = {}
-        self._engine_ids: dict[int, int] = {}
-        self._stopped_early: set[int] = set()  # ended by a stop string before Engine.submit returned
-        self._lock = threading.Lock()
+    max_seq_len: int | None
+    on_output: Callable[[StepOutput], None] | None
+
+    def submit(self, request: SubmitRequest) -> None: ...
+    def cancel(self, key: int) -> None: ...
+    def validate(self, prompt_ids: list[int], params: GenerationParams) -> None: ...
+    def check_health(self) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+    def shutdown(self) -> None: ...
+
+
+class EngineClient(OutputProcessor):
+    """The engine interface over a core: requests in as `SubmitRequest`s, the core's output out as events."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        tokenizer: PreTrainedTokenizerBase,
+        byte_table: ByteTable | None,
+        eos_token_id: int | None,
+    ) -> None:
+        super().__init__(tokenizer, byte_table, eos_token_id)
+        self.core = core
+        core.on_output = self.take
+        assert core.max_seq_len is not None, "start the core first"
+        self.max_seq_len: int = core.max_seq_len
 
     def check_health(self) -> None:
-        self.engine.check_health()
+        self.core.check_health()
 
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
-        self.engine.validate(prompt_ids, params)
-
-    def deliver_in_batches(self, deliver: Deliver) -> None:
-        """Hand each engine step's events to `deliver` in one call, as (on_event, event) pairs, on the engine's
-        thread: a server whose requests live on one event loop then hops there once per step. Set it before
-        submitting."""
-        self._deliver = deliver
+        self.core.validate(prompt_ids, params)
 
     def submit(
         self,
@@ -57,77 +68,102 @@ class LocalEngine:
         on_event: Callable[[Event], None],
         incremental_text: bool = True,
         request_size: int = 1,
+        output_kind: OutputKind = DELTA,
     ) -> int:
-        """Queue one sequence; `on_event` gets its events on the engine's thread (or through `deliver`).
+        """Queue one sequence; `on_event` gets its events on the core's thread (or through `deliver`).
 
-        `incremental_text` False (and no stop strings): the text comes whole with the last event.
-        `request_size` is the interface's: this engine never refuses, so it ignores it."""
-        params = dataclasses.replace(params, sampling=params.sampling.resolved())  # events report the seed
-        assert params.sampling.seed is not None
-        engine = self.engine
-        output = TextOutput(engine.tokenizer, engine.byte_table, params, engine.eos_token_id, incremental_text)
-        key = next(self._ids)
-        stream = TextStream(on_event, output, len(prompt_ids), params.sampling.seed, params.logprobs is not None)
-        with self._lock:
-            self._streams[key] = stream  # before Engine.submit: its first records may come at once
+        `incremental_text` False (and no stop strings): the text comes whole with the last event. "final"
+        `output_kind`: one event at the end, the core holding the tokens till then. `request_size` is the
+        interface's: these cores never refuse, so it is ignored."""
+        key, _, core_params = self.open(prompt_ids, params, on_event, incremental_text, output_kind)
+        kind = DELTA if params.stop else output_kind  # a stop string is found as the tokens come
         try:
-            # Stop strings are this client's: the core ends a sequence by token only.
-            engine_id = engine.submit(SubmitRequest(key, list(prompt_ids), params, DELTA), self)
+            self.core.submit(SubmitRequest(key, list(prompt_ids), core_params, kind))
         except BaseException:
-            with self._lock:
-                del self._streams[key]
+            self.streams.pop(key, None)
             raise
-        with self._lock:
-            if key in self._streams:
-                self._engine_ids[key] = engine_id
-            stopped = key in self._stopped_early
-            self._stopped_early.discard(key)
-        if stopped:
-            engine.cancel(engine_id)
         return key
 
-    def cancel(self, request_id: int) -> None:
-        """Stop a sequence; its "abort" event comes once the engine has freed its slot (within a step)."""
+    def _stop(self, key: int, stream: TextStream) -> None:
+        self.core.cancel(key)
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+class LocalEngine(EngineClient):
+    """The client of an `Engine` in this process."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(InProcessCore(engine), engine.tokenizer, engine.byte_table, engine.eos_token_id)
+
+
+_CANCELLED = -1  # an engine id no sequence has: cancelled before Engine.submit returned its id
+
+
+class InProcessCore(StepSink):
+    """An `Engine` in this process as a core (`EngineCore`): the token sink of every sequence its client
+    submits, each step's records handed on as one StepOutput, and the client's keys mapped to the engine's ids."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.max_seq_len: int | None = engine.max_seq_len
+        self.on_output: Callable[[StepOutput], None] | None = None
+        self._engine_ids: dict[int, int | None] = {}  # key -> the engine's id (None until submit returns it)
+        self._lock = threading.Lock()
+
+    def submit(self, request: SubmitRequest) -> None:
+        key = request.key
         with self._lock:
-            engine_id = self._engine_ids.get(request_id)
-        if engine_id is not None:
+            self._engine_ids[key] = None  # before Engine.submit: its records may come, and end it, at once
+        if request.params.logprobs is not None:
+            self.with_logprobs.add(key)
+        try:
+            engine_id = self.engine.submit(request, self)
+        except BaseException:
+            with self._lock:
+                del self._engine_ids[key]
+            self.with_logprobs.discard(key)
+            raise
+        with self._lock:
+            state = self._engine_ids.get(key, 0)  # 0: it ended already
+            if state is None:
+                self._engine_ids[key] = engine_id
+            elif state == _CANCELLED:
+                del self._engine_ids[key]
+        if state == _CANCELLED:
             self.engine.cancel(engine_id)
+
+    def cancel(self, key: int) -> None:
+        with self._lock:
+            engine_id = self._engine_ids.get(key, 0)
+            if engine_id is None:
+                self._engine_ids[key] = _CANCELLED
+        if engine_id is not None and engine_id > 0:
+            self.engine.cancel(engine_id)
+
+    def ended(self, key: int, record: TokenRecord, num_generated: int) -> None:
+        with self._lock:
+            self._engine_ids.pop(key, None)
+
+    def send(self) -> bool:
+        output = self.output()
+        if output is not None and self.on_output is not None:
+            self.on_output(output)
+        return True
+
+    def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
+        self.engine.validate(prompt_ids, params)
+
+    def check_health(self) -> None:
+        self.engine.check_health()
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-
-    # ---- the token sink, on the engine's thread -------------------------------------------------
-    def add(self, record: TokenRecord, num_generated: int) -> None:
-        self.pending.append(record)
-
-    def send(self) -> bool:
-        """The one loop over a step's records here: each into its sequence's events, handed over together."""
-        records, self.pending = self.pending, []
-        batch: list[tuple[Callable[[Event], None], Event]] = []
-        streams = self._streams
-        for record in records:
-            key, token, reason, error = record[0], record[1], record[2], record[3]
-            stream = streams.get(key)
-            if stream is None:
-                continue  # ended here already by a stop string: the engine's tail is dropped
-            event = stream.take(key, token, reason, error, record[4] if len(record) > 4 else None)
-            if event is None:
-                continue
-            if event.finished:
-                self._ended(key, cancel=reason is None)
-            batch.append((stream.on_event, event))
-        hand_over(batch, self._deliver)
-        return True
-
-    def _ended(self, key: int, cancel: bool) -> None:
-        """Forget a sequence; `cancel`: a stop string ended it here, and the engine would go on."""
-        with self._lock:
-            del self._streams[key]
-            engine_id = self._engine_ids.pop(key, None)
-            if cancel and engine_id is None:
-                self._stopped_early.add(key)
-        if cancel and engine_id is not None:
-            self.engine.cancel(engine_id)

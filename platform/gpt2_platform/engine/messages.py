@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Literal, NamedTuple
 
 from gpt2_platform.engine.admission import Admission
-from gpt2_platform.engine.requests import GenerationParams, TokenLogprob
+from gpt2_platform.engine.requests import GenerationParams, TokenLogprob, TokenRecord
 
 Address = tuple[str, int]
 """An ingress's token link listener: (host, port)."""
@@ -144,3 +144,36 @@ class StepOutput(NamedTuple):
         # tuple.__new__: the generated __new__ costs a Python call, and this runs once per step
         keys, tokens = [record[0] for record in records], [record[1] for record in records]
         return tuple.__new__(cls, (keys, tokens, finished or None, logprobs))
+
+
+class StepSink:
+    """A token sink (engine/requests.py, TokenSink) whose iteration's records leave as one StepOutput (`output`):
+    the engine process's sinks (to its parent, to a token link) and the in-process core's (engine/local.py)."""
+
+    def __init__(self) -> None:
+        self.pending: list[TokenRecord] = []
+        self.with_logprobs: set[int] = set()
+        """Keys whose records carry log-probabilities: only with one is a step's output searched for them."""
+        self._finished: dict[int, Finish] = {}  # row of pending -> the end of the sequence it ends
+        self._last_with_logprobs = False  # a last record this step carried log-probabilities
+
+    def add(self, record: TokenRecord, num_generated: int) -> None:
+        key = record[0]
+        self._finished[len(self.pending)] = (record[2], record[3], num_generated)
+        self.pending.append(record)
+        if key in self.with_logprobs:
+            self.with_logprobs.discard(key)
+            self._last_with_logprobs = True
+        self.ended(key, record, num_generated)
+
+    def ended(self, key: int, record: TokenRecord, num_generated: int) -> None:
+        """The sequence under `key` had its last record, on the engine's thread."""
+
+    def output(self) -> StepOutput | None:
+        """The records since the last call as one StepOutput; None if there were none."""
+        if not self.pending:
+            return None
+        records, self.pending = self.pending, []
+        finished, self._finished = self._finished, {}
+        with_logprobs, self._last_with_logprobs = self._last_with_logprobs or bool(self.with_logprobs), False
+        return StepOutput.of_records(records, finished, with_logprobs)

@@ -10,12 +10,15 @@ process that feeds the GPU. The in-process engine runs the same code on its own 
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpt2_platform.engine.detokenize import ByteTable, IncrementalDetokenizer, find_stop
-from gpt2_platform.engine.messages import RowLogprobs
-from gpt2_platform.engine.requests import Event, GenerationParams, LogprobStream
+from gpt2_platform.engine.messages import DELTA, OutputKind, RowLogprobs, StepOutput
+from gpt2_platform.engine.requests import Deliver, Event, GenerationParams, LogprobStream, hand_over
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -27,12 +30,13 @@ class TextOutput:
     `add` takes each generated token with what the scheduler knows about it, and returns what to
     emit: the token ids, the new text, and the finish reason (None while the sequence goes on).
     With `incremental` False (and no stop strings) only the first token is announced (no ids, no
-    text: a server still learns when its first token came), then nothing until the end, when the
-    whole text is decoded at once: detokenizing every token of a large batch costs more host time
-    than the device step, and a caller that wants only the result need not pay it.
+    text: a server still learns when its first token came; not even that without `announce`), then
+    nothing until the end, when the whole text is decoded at once: detokenizing every token of a large
+    batch costs more host time than the device step, and a caller that wants only the result need not pay it.
     """
 
-    __slots__ = ("detokenizer", "tokenizer", "stop", "hold", "incremental", "generated", "emitted_chars", "eos_id")
+    __slots__ = ("detokenizer", "tokenizer", "stop", "hold", "incremental", "announce_at", "generated",
+                 "emitted_chars", "eos_id")  # fmt: skip
 
     def __init__(
         self,
@@ -41,12 +45,14 @@ class TextOutput:
         params: GenerationParams,
         eos_token_id: int | None,
         incremental: bool = True,
+        announce: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer(tokenizer, byte_table)
         self.stop = tuple(params.stop)
         self.hold = max((len(stop) - 1 for stop in self.stop), default=0)
         self.incremental = incremental or bool(self.stop)
+        self.announce_at = 1 if announce else 0  # the token count whose token is announced (0: none)
         self.eos_id = None if params.ignore_eos else eos_token_id
         self.generated: list[int] = []
         self.emitted_chars = 0
@@ -58,7 +64,7 @@ class TextOutput:
         is_eos = token == self.eos_id
         if not self.incremental:
             if not last:
-                return ([], "", None) if len(self.generated) == 1 else None
+                return ([], "", None) if len(self.generated) == self.announce_at else None
             tokens = self.generated[:-1] if is_eos else self.generated
             return tokens, self._final_text(), "stop" if is_eos else "length"
         if is_eos:
@@ -146,3 +152,95 @@ class TextStream:
         event.finish_reason, event.error = reason, error
         event.prompt_tokens, event.completion_tokens = self.prompt_tokens, len(self.output.generated)
         return event
+
+
+_GOING_ON = (None, None, None)  # a row's end where its sequence goes on
+_NONE_FINISHED: dict = {}
+
+
+class OutputProcessor:
+    """A client's sequences on their way to their consumers: the one loop over a core's StepOutputs on the
+    client side, as vLLM's output processor. The client of the engine in this process or in its own
+    (engine/local.py) and an ingress's over token links (serve/engine_client.py) are this; `_stop` tells
+    their core that a sequence is over here."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, byte_table: ByteTable | None, eos_token_id: int | None):
+        self.tokenizer, self.byte_table, self.eos_token_id = tokenizer, byte_table, eos_token_id
+        self.streams: dict[int, TextStream] = {}
+        self._ids = itertools.count(1)
+        self._deliver: Deliver | None = None
+        # A core's thread takes outputs while consumers cancel: one at a time, so no event follows an end.
+        self._lock = threading.RLock()
+
+    def deliver_in_batches(self, deliver: Deliver) -> None:
+        """Hand each step's events to `deliver` in one call, as (on_event, event) pairs: a server whose requests
+        live on one event loop then hops there once per step. Set it before submitting."""
+        self._deliver = deliver
+
+    def open(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        on_event: Callable[[Event], None],
+        incremental_text: bool = True,
+        output_kind: OutputKind = DELTA,
+        stream_type: type[TextStream] | None = None,
+    ) -> tuple[int, TextStream, GenerationParams]:
+        """A new sequence's key and stream, and `params` as a core takes them: the seed fixed, for events to
+        report it, and no stop strings, which are this side's (a core ends a sequence by token only).
+        "final" `output_kind`: one event at the end (but with stop strings, which cut the text as it comes)."""
+        sampling = params.sampling.resolved()
+        assert sampling.seed is not None
+        delta = output_kind == DELTA
+        output = TextOutput(
+            self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text and delta, delta
+        )
+        stream = (stream_type or TextStream)(
+            on_event, output, len(prompt_ids), sampling.seed, params.logprobs is not None
+        )
+        key = next(self._ids)
+        self.streams[key] = stream
+        return key, stream, dataclasses.replace(params, stop=(), sampling=sampling)
+
+    def take(self, output: StepOutput) -> None:
+        """A core's step: each row into its sequence's events, handed over together."""
+        batch: list[tuple[Callable[[Event], None], Event]] = []
+        streams = self.streams
+        keys, tokens, finished, logprobs = output
+        finished = finished or _NONE_FINISHED
+        with self._lock:
+            for row, (key, token) in enumerate(zip(keys, tokens, strict=True)):
+                stream = streams.get(key)
+                if stream is None:
+                    continue  # ended here already (a stop string, a cancel): the core's tail is dropped
+                reason, error, _ = finished.get(row, _GOING_ON)
+                event = stream.take(key, token, reason, error, None if logprobs is None else logprobs.get(row))
+                if event is None:
+                    continue
+                if event.finish_reason is not None:
+                    del streams[key]
+                    self._ended(key, stream, reason is None)
+                batch.append((stream.on_event, event))
+            hand_over(batch, self._deliver)
+
+    def cancel(self, key: int) -> None:
+        """Stop a sequence: its "abort" event comes at once; its core frees its slot within a step."""
+        self.end(key, "abort", None)
+
+    def end(self, key: int, reason: str, error: str | None) -> None:
+        """End a sequence here with no more tokens, and tell its core (if it was not over already)."""
+        with self._lock:
+            stream = self.streams.pop(key, None)
+            if stream is None:
+                return
+            self._stop(key, stream)
+            hand_over([(stream.on_event, stream.final(key, [], "", reason, error))], self._deliver)
+
+    def _ended(self, key: int, stream: TextStream, stopped_here: bool) -> None:
+        """A sequence had its last event; `stopped_here`: a stop string ended it, and its core would go on."""
+        if stopped_here:
+            self._stop(key, stream)
+
+    def _stop(self, key: int, stream: TextStream) -> None:
+        """Tell the core a sequence is over here."""
+        raise NotImplementedError

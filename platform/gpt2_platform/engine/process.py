@@ -1,26 +1,17 @@
 """The engine in a child process of its own: its own GIL (and CUDA context), away from the HTTP work.
 
-This module is the parent's side (the client); the child's command server is engine/process_server.py.
+This module is the parent's side, `EngineProcess`, a core as engine/local.py's client drives one: it
+validates and sends `SubmitRequest`s (engine/messages.py), and a reader thread hands each `StepOutput` the
+child (engine/process_server.py) sends, one per engine step, to `on_output`. The child makes no text.
 
-In one process, the engine's loop thread and Serve's streaming machinery (an executor
-thread, two event loops) take turns on one GIL, and at high concurrency the host, not the
-GPU, sets the pace. `EngineProcess` is the parent's client: it validates and sends
-`SubmitRequest`s (engine/messages.py); the child (a fresh interpreter) owns the model and
-sends one `StepOutput` per engine step; a reader thread in the parent turns it into events
-and hands them to the `deliver_in_batches` function in one call, so a server still wakes its
-event loop once per step. The child makes no text: events carry token ids, and their consumer
-detokenizes (engine/output.py), as an ingress does with tokens that come over a token link.
-
-The child exits when its parent does (the pipe closes, or its parent pid changes), and
-if it dies, every pending request finishes with an error event and `check_health` raises; the
-parent hears of it at once (the pipe's EOF), so an owner that passed `on_exit` can act then (a Serve
-replica exits, to be replaced, rather than wait for its health checks to fail).
+The child exits when its parent does (the pipe closes, or its parent pid changes). If it dies, every
+pending sequence ends with an error row and `check_health` raises; the parent hears of it at once (the
+pipe's EOF), so an owner that passed `on_exit` can act then (a Serve replica exits, to be replaced,
+rather than wait for its health checks to fail).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import os
 import socket
@@ -30,19 +21,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.config import SAMPLING_MODES
 from gpt2_platform.engine.messages import (
-    DELTA,
-    FINAL_ONLY,
     Address,
     Cancel,
     Connect,
     Dead,
-    LinkTarget,
-    OutputKind,
     Ready,
     Shutdown,
     StartFailed,
@@ -50,15 +36,10 @@ from gpt2_platform.engine.messages import (
     StepOutput,
     SubmitRequest,
 )
-from gpt2_platform.engine.requests import (
-    Deliver,
-    EngineConfig,
-    EngineDeadError,
-    Event,
-    GenerationParams,
-    hand_over,
-    validate_request,
-)
+from gpt2_platform.engine.requests import EngineConfig, EngineDeadError, GenerationParams, validate_request
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -82,21 +63,8 @@ class EngineSpec:
     """The sampling modes to warm."""
 
 
-@dataclass(slots=True)
-class _Pending:
-    """A request the child has not finished: whom to tell, and what its events carry besides tokens."""
-
-    on_event: Callable[[Event], None]
-    prompt_tokens: int
-    seed: int
-    logprobs: bool
-    final_only: bool
-    started: bool = False  # it has had an output, so it holds a slot (or its tokens went to a link)
-    final: Event | None = None  # a final-only request's tokens so far
-
-
 class EngineProcess:
-    """An `Engine` in a spawned child process, driven through a pipe; the parent only validates and routes events."""
+    """An `Engine` in a spawned child process, driven through a pipe: a core (engine/local.py, EngineCore)."""
 
     def __init__(
         self,
@@ -105,22 +73,21 @@ class EngineProcess:
         config: EngineConfig,
         warmup: bool = True,
         modes: tuple[str, ...] = SAMPLING_MODES,
+        on_output: Callable[[StepOutput], None] | None = None,
         on_exit: Callable[[str], None] | None = None,
     ) -> None:
-        """`on_exit(why)`: called once, on the reader thread, when the child exits or its engine fails
-        after start (never for `shutdown`), once the pending requests have had their error events."""
+        """`on_output`: each step's output, on the reader thread. `on_exit(why)`: called once, there, when the
+        child exits or its engine fails after start (never for `shutdown`), after the pending sequences' ends."""
         self.spec = EngineSpec(model, tokenizer, config, warmup, tuple(modes))
-        self._on_exit = on_exit
+        self.on_output, self._on_exit = on_output, on_exit
         self.config = config
         self.max_seq_len: int | None = None  # known once the child has built its engine
         self.vocab_size: int | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None  # loaded here at start, for a client's text
         self.child_imported_transformers: bool | None = None  # whether the child needed the tokenizer itself
-        self._ids = itertools.count(1)
-        # Requests submitted and not yet finished; the lock keeps a cancel from slipping between a request's events.
-        self._pending: dict[int, _Pending] = {}
+        self._pending: set[int] = set()  # keys submitted, not yet ended or cancelled
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._deliver: Deliver | None = None
         self._stats: dict[str, Any] = {}
         self._error: str | None = None
         self._stopping = False
@@ -169,11 +136,11 @@ class EngineProcess:
 
         assert self._conn is not None
         try:
-            tokenizer = TableTokenizer.of(load_tokenizer(self.spec.tokenizer))
+            self.tokenizer = load_tokenizer(self.spec.tokenizer)
         except ValueError as error:  # load_tokenizer's: it says what was wrong and what to pass instead
             raise EngineStartError(f"the engine process could not start its engine: {error}") from error
         try:
-            self._conn.send(tokenizer)
+            self._conn.send(TableTokenizer.of(self.tokenizer))
         except OSError:
             pass  # the child is gone: waiting for it to be ready says how
 
@@ -195,7 +162,7 @@ class EngineProcess:
         return message
 
     def shutdown(self) -> None:
-        """Stop the child's engine and the child; requests still pending finish with an error event."""
+        """Stop the child's engine and the child; sequences still pending end with an error."""
         if self._process is None or self._stopping:
             return
         self._stopping = True
@@ -224,51 +191,32 @@ class EngineProcess:
         if self._process is None or self._process.poll() is not None:
             raise EngineDeadError("engine process is not running")
 
-    def deliver_in_batches(self, deliver: Deliver) -> None:
-        """Each engine step's events in one call, from the reader thread, as `LocalEngine.deliver_in_batches`."""
-        self._deliver = deliver
-
     # ---- submitting --------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
         """Raise ValueError for a request the engine cannot take (checked here: it never reaches the child)."""
         assert self.max_seq_len is not None and self.vocab_size is not None, "start() the engine process first"
         validate_request(prompt_ids, params, self.max_seq_len, self.vocab_size)
 
-    def submit(
-        self,
-        prompt_ids: list[int],
-        params: GenerationParams,
-        on_event: Callable[[Event], None],
-        output_kind: OutputKind = DELTA,
-        admission: Admission | None = None,
-        link: LinkTarget | None = None,
-    ) -> int:
-        """Queue a sequence in the child; `on_event` gets its events (token ids, no text) on the reader
-        thread, or through `deliver`: one per token with DELTA, one at the end with every token with FINAL_ONLY.
-
-        With `link` the child sends the tokens straight to that ingress (engine/link.py), and `on_event`
-        gets only the last event, with no tokens: this process then carries no per-token work. With
-        `admission` the child may refuse the sequence (a "refused" event, its error the refusal's text:
-        engine/admission.py). Stop strings are the consumer's: the engine ends a sequence by token only.
-        """
+    def submit(self, request: SubmitRequest) -> None:
+        """Queue a sequence in the child, under the caller's key. With `link` the child sends its tokens straight
+        to that ingress (engine/link.py), and only its end comes back here; with `admission` the child may
+        refuse it (a "refused" end, its error the refusal's text: engine/admission.py)."""
         self.check_health()
-        self.validate(prompt_ids, params)
-        # The seed is fixed here, so events can report it.
-        params = dataclasses.replace(params, sampling=params.sampling.resolved())
-        seed = params.sampling.seed
-        assert seed is not None  # resolved() just fixed it
-        request_id = next(self._ids)
-        pending = _Pending(on_event, len(prompt_ids), seed, params.logprobs is not None, output_kind == FINAL_ONLY)
+        self.validate(request.prompt_ids, request.params)
+        key = request.key
         with self._lock:
-            self._pending[request_id] = pending  # before sending: its first event may come back at once
+            self._pending.add(key)  # before sending: its end may come back at once
         try:
-            self._send(SubmitRequest(request_id, list(prompt_ids), params, output_kind, admission, link))
+            self._send(request)
         except BaseException:
-            self._forget(request_id)
+            self._pending.discard(key)
             raise
-        if self._error is not None and self._forget(request_id) is not None:
-            raise EngineDeadError(self._error)  # the reader failed the pending requests before this one joined
-        return request_id
+        with self._lock:
+            failed = self._error is not None and key in self._pending
+            if failed:
+                self._pending.discard(key)
+        if failed:
+            raise EngineDeadError(self._error)  # the reader failed the pending sequences before this one joined
 
     def connect(self, address: Address, authkey: bytes) -> None:
         """Have the child open a token link to the ingress at `address` (if it has none), for the ingress
@@ -276,35 +224,20 @@ class EngineProcess:
         host, port = address  # a tuple, whatever sequence the caller passed
         self._send(Connect((host, port), authkey))
 
-    def cancel(self, request_id: int) -> None:
-        """Stop a request; its slot is free after the child's current step.
-
-        A request that has had no event yet finishes with an "abort" event at once: the child may
-        drop it from its waiting line without a word, and it must not count as in flight meanwhile.
-        """
-        with self._lock:
-            pending = self._pending.get(request_id)
-            if pending is None:
-                return
-            if not pending.started:
-                del self._pending[request_id]
-        if not pending.started:
-            self._hand_over([(pending.on_event, self._ended(request_id, pending, "abort", None, 0))])
+    def cancel(self, key: int) -> None:
+        """Stop a sequence; its slot is free after the child's current step. It no longer counts as in flight,
+        and has no end from here if the child dies: its client ended it already."""
+        self._pending.discard(key)
         try:
-            self._send(Cancel(request_id))
+            self._send(Cancel(key))
         except EngineDeadError:
-            pass  # the reader fails every pending request
-
-    def _forget(self, request_id: int) -> _Pending | None:
-        with self._lock:
-            return self._pending.pop(request_id, None)
+            pass  # nothing left to stop
 
     def stats(self) -> dict[str, Any]:
         """The child's counters as of its last report (at most 0.1 s old while it works).
 
-        running + waiting counts what this process submitted and has not seen finish, so an
-        admission check sees a request the moment it is submitted, as with an in-process engine,
-        plus the sequences ingresses sent the child over their token links (as of its last report).
+        running + waiting counts what this process submitted and has not seen end, as of the moment it was
+        submitted, plus the sequences ingresses sent the child over their token links (as of its last report).
         """
         in_flight = len(self._pending) + self._stats.get("link_sequences", 0)
         running = min(self._stats.get("running", 0), in_flight)
@@ -326,7 +259,7 @@ class EngineProcess:
                 message = self._conn.recv()
                 kind = type(message)
                 if kind is tuple:  # a StepOutput, sent as a plain tuple
-                    self._dispatch(StepOutput.of_wire(message))
+                    self._take(StepOutput.of_wire(message))
                 elif kind is Stats:
                     self._stats = message.stats
                 elif kind is Dead:
@@ -344,61 +277,24 @@ class EngineProcess:
         if self._on_exit is not None:
             self._on_exit(self._error)
 
-    def _dispatch(self, output: StepOutput) -> None:
-        """A step's output as events: one per row for a delta request, one at the end for a final-only one."""
-        batch: list[tuple[Callable[[Event], None], Event]] = []
-        keys, tokens, finished, logprobs = output
-        with self._lock:
-            for row, (request_id, token) in enumerate(zip(keys, tokens, strict=True)):
-                pending = self._pending.get(request_id)
-                if pending is None:
-                    continue  # cancelled before it started, or failed
-                pending.started = True
-                event = pending.final or Event(request_id, [], "", seed=pending.seed)
-                if pending.logprobs and event.logprobs is None:
-                    event.logprobs = []
-                if token >= 0:
-                    event.token_ids.append(token)
-                if logprobs is not None and row in logprobs:
-                    token_logprob, prompt_logprobs = logprobs[row]
-                    if token_logprob is not None:
-                        assert event.logprobs is not None  # set above: only a request that asked gets them
-                        event.logprobs.append(token_logprob)
-                    if prompt_logprobs is not None:
-                        event.prompt_logprobs = prompt_logprobs
-                end = finished.get(row) if finished is not None else None
-                if end is not None:
-                    event.finish_reason, event.error, completion_tokens = end
-                    # The pipe always counts them: only a token link leaves the count to its receiver.
-                    assert completion_tokens is not None
-                    event.completion_tokens = completion_tokens
-                    event.prompt_tokens = pending.prompt_tokens
-                    del self._pending[request_id]
-                elif pending.final_only:
-                    pending.final = event
-                    continue
-                batch.append((pending.on_event, event))
-        self._hand_over(batch)
-
-    @staticmethod
-    def _ended(request_id: int, pending: _Pending, reason: str, error: str | None, completion_tokens: int) -> Event:
-        event = pending.final or Event(request_id, [], "", seed=pending.seed)
-        event.finish_reason, event.error = reason, error
-        event.prompt_tokens, event.completion_tokens = pending.prompt_tokens, completion_tokens
-        if pending.logprobs and event.logprobs is None:
-            event.logprobs = []
-        return event
-
-    def _hand_over(self, batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-        hand_over(batch, self._deliver)
+    def _take(self, output: StepOutput) -> None:
+        if output.finished is not None:
+            keys, pending = output.keys, self._pending
+            for row in output.finished:
+                pending.discard(keys[row])
+        if self.on_output is not None:
+            self.on_output(output)
 
     def _fail_pending(self, error: str) -> None:
+        """End every pending sequence with `error`, as the child would have."""
         with self._lock:
-            pending, self._pending = self._pending, {}
-        batch = [(p.on_event, self._ended(i, p, "error", error, len(p.final.token_ids) if p.final else 0))
-                 for i, p in pending.items()]  # fmt: skip
+            keys, self._pending = list(self._pending), set()
+        if not keys or self.on_output is None:
+            return
         try:
-            self._hand_over(batch)
+            self.on_output(
+                StepOutput(keys, [-1] * len(keys), {row: ("error", error, None) for row in range(len(keys))})
+            )
         except Exception:  # a consumer's callback must not hide the failure from the others
             logger.exception("could not deliver the engine failure")
 

@@ -26,12 +26,12 @@ from gpt2_platform.engine.messages import (
     Cancel,
     Connect,
     Dead,
-    Finish,
     Ready,
     Shutdown,
     StartFailed,
     Stats,
     StepOutput,
+    StepSink,
     SubmitRequest,
 )
 from gpt2_platform.engine.process import ENGINE_PROCESS_NAME, EngineSpec
@@ -46,32 +46,21 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.1
 
 
-class _ParentSink:
-    """The token sink (engine/requests.py, TokenSink) of the sequences the parent sends on the pipe: a step's
-    records go back as one StepOutput, under the parent's keys."""
+class _ParentSink(StepSink):
+    """The token sink of the sequences the parent sends on the pipe: a step's records go back as one
+    StepOutput, under the parent's keys."""
 
     def __init__(self, send: Callable[[tuple], None], ended: deque[int]) -> None:
-        self.pending: list[TokenRecord] = []
-        self.with_logprobs: set[int] = set()  # keys whose records carry log-probabilities
-        self._finished: dict[int, Finish] = {}  # row of pending -> the end of the sequence it ends
-        self._last_with_logprobs = False  # a last record this step carried log-probabilities
+        super().__init__()
         self._send, self._ended = send, ended
 
-    def add(self, record: TokenRecord, num_generated: int) -> None:
-        key = record[0]
-        self._finished[len(self.pending)] = (record[2], record[3], num_generated)
-        self.pending.append(record)
+    def ended(self, key: int, record: TokenRecord, num_generated: int) -> None:
         self._ended.append(key)  # for the command thread to forget
-        if key in self.with_logprobs:
-            self.with_logprobs.discard(key)
-            self._last_with_logprobs = True
 
     def send(self) -> bool:
-        records, self.pending = self.pending, []
-        finished, self._finished = self._finished, {}
-        with_logprobs, self._last_with_logprobs = self._last_with_logprobs or bool(self.with_logprobs), False
-        if records:
-            self._send(StepOutput.of_records(records, finished, with_logprobs).wire())
+        output = self.output()
+        if output is not None:
+            self._send(output.wire())
         return True
 
     def end(self, key: int, reason: str, error: str | None, num_generated: int = 0) -> None:

@@ -1,9 +1,8 @@
 """The one interface every engine meets: what a server or a batch job may call, wherever the engine runs.
 
-`LocalEngine` (an `Engine` in this process, engine/local.py) and `RemoteEngine` (an engine deployment seen from an
-ingress replica, serve/engine_client.py) satisfy it, so the code in front of an engine does not change
-with where the engine runs. `EngineProcess` (engine/process.py) is the engine deployment's client of its
-child process: it takes the typed request of engine/messages.py and hands back token ids, no text.
+The client of an engine core (engine/local.py: `LocalEngine` for an `Engine` in this process, `EngineClient`
+over an `EngineProcess`) and `RemoteEngine` (an engine deployment seen from an ingress replica,
+serve/engine_client.py) satisfy it, so the code in front of an engine does not change with where it runs.
 """
 
 from __future__ import annotations

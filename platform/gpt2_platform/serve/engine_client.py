@@ -1,11 +1,11 @@
 """The engine deployment as an ingress replica sees it: the engine interface, over Serve and a token link.
 
-`RemoteEngine` meets the same interface as the in-process `Engine` and the `EngineProcess`
+`RemoteEngine` meets the same interface as the clients of an engine in this process or in its own
 (engine/protocol.py), so the HTTP code does not know where its engine runs. Each engine that
 Serve routes one of this replica's `connect` calls to opens a token link to it (engine/link.py);
 a sequence goes over the link to the engine this replica has fewest sequences on, and its tokens
-come back on it, turned into text here (engine/output.py), stop strings included, on the replica's
-event loop. Before any link is up (the first requests of a new replica), a sequence goes as one
+come back on it, turned into text here by the output processor every client runs (engine/output.py),
+stop strings included, on the replica's event loop. Before any link is up (the first requests of a new replica), a sequence goes as one
 Serve call (GPT2Engine.generate), which also brings the link up. This replica asks Serve to
 `connect` again every few seconds, so engines that Serve adds are found.
 
@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -34,15 +32,8 @@ from gpt2_platform.engine.admission import Admission
 from gpt2_platform.engine.detokenize import ByteTable
 from gpt2_platform.engine.link import Inlet, Link
 from gpt2_platform.engine.messages import DELTA, LinkTarget, StepOutput, SubmitRequest
-from gpt2_platform.engine.output import TextOutput, TextStream
-from gpt2_platform.engine.requests import (
-    Deliver,
-    EngineDeadError,
-    Event,
-    GenerationParams,
-    hand_over,
-    validate_request,
-)
+from gpt2_platform.engine.output import OutputProcessor, TextStream
+from gpt2_platform.engine.requests import EngineDeadError, Event, GenerationParams, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -51,25 +42,27 @@ logger = logging.getLogger(__name__)
 _LINK_GRACE_S = 5.0
 _PING_INTERVAL_S = 0.5
 _PING_TIMEOUT_S = 2.0
-_GOING_ON = (None, None, None)  # a row's end where its sequence goes on
-_NONE_FINISHED: dict = {}
 
 # How often this replica asks Serve to route it a `connect` call: an engine that Serve adds (autoscaling,
 # a replacement) is found within about this long (Serve picks one of two engines per call at random).
 _CONNECT_INTERVAL_S = 2.0
 
 
-@dataclass
-class _Remote:
-    stream: TextStream
-    response: DeploymentResponse | None = None
-    link: Link | None = None
-    # What went over the link: sent again to another engine if its engine is lost before the first token,
-    # when nothing of it has reached the client.
-    sent: SubmitRequest | None = None
+class _Remote(TextStream):
+    """A sequence's stream, with where it went: its Serve call or its link, and, for a link, what went over it
+    (sent again to another engine if its engine is lost before the first token, when nothing of it has
+    reached the client)."""
+
+    __slots__ = ("response", "link", "sent")
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.response: DeploymentResponse | None = None
+        self.link: Link | None = None
+        self.sent: SubmitRequest | None = None
 
 
-class RemoteEngine:
+class RemoteEngine(OutputProcessor):
     def __init__(
         self,
         handle: DeploymentHandle,
@@ -80,14 +73,12 @@ class RemoteEngine:
     ) -> None:
         """`admission()`: what an engine is asked to take a new request under (engine/admission.py; the
         server's live limits decide it)."""
-        self.handle, self.tokenizer = handle, tokenizer
+        super().__init__(tokenizer, ByteTable.of(tokenizer), tokenizer.eos_token_id)
+        self.handle = handle
         self.max_seq_len, self.vocab_size, self.admission = max_seq_len, vocab_size, admission
-        self.eos_token_id = tokenizer.eos_token_id
-        self.byte_table = ByteTable.of(tokenizer)
-        self._ids = itertools.count(1)
-        self._sequences: dict[int, _Remote] = {}
+        self._sequences: dict[int, _Remote] = self.streams  # type: ignore[assignment]  # open() makes _Remotes
+        self._unlinked: set[int] = set()  # sequences sent as a Serve call, until tokens come on a link
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._deliver: Deliver | None = None
         self._down: str | None = None  # why the engine is thought unavailable; None: serving
         self._pinging = False
         self._links: list[Link] = []  # engines that have connected, and are still connected
@@ -118,11 +109,6 @@ class RemoteEngine:
         if not self.inlet.alive():
             raise EngineDeadError("this replica's token link stopped")
 
-    def deliver_in_batches(self, deliver: Deliver) -> None:
-        """Not needed here: a link message's events are already handed over together, on the event loop
-        that submitted them (one hop from the link's reader thread). A `deliver` given is still used."""
-        self._deliver = deliver
-
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
         validate_request(prompt_ids, params, self.max_seq_len, self.vocab_size)
 
@@ -142,16 +128,9 @@ class RemoteEngine:
         not at all, and one larger than the whole bound still runs on an idle engine."""
         loop = self._start_connecting(asyncio.get_running_loop())
         self.check_health()
-        # The seed is fixed here, so the response can report it before the engine's last word.
-        sampling = params.sampling.resolved()
-        assert sampling.seed is not None  # resolved() just fixed it
         self.validate(prompt_ids, params)
-        key = next(self._ids)
-        output = TextOutput(self.tokenizer, self.byte_table, params, self.eos_token_id, incremental_text)
-        sequence = _Remote(TextStream(on_event, output, len(prompt_ids), sampling.seed, params.logprobs is not None))
-        # Stop strings are applied here, on the text (`output`); the engine ends sequences by token only.
-        engine_params = dataclasses.replace(params, stop=(), sampling=sampling)
-        self._sequences[key] = sequence
+        key, sequence, engine_params = self.open(prompt_ids, params, on_event, incremental_text, stream_type=_Remote)
+        assert isinstance(sequence, _Remote)
         admission = dataclasses.replace(self.admission(), size=request_size) if request_size else None
         request = SubmitRequest(key, list(prompt_ids), engine_params, DELTA, admission)
         link = self._least_loaded_link()
@@ -162,6 +141,7 @@ class RemoteEngine:
         # No link yet: through Serve, the tokens to this replica's link all the same.
         target = LinkTarget(self.inlet.address, self.inlet.authkey, key)
         sequence.response = self.handle.generate.remote(request._replace(link=target))
+        self._unlinked.add(key)
         loop.create_task(self._watch(key, sequence))
         return key
 
@@ -173,14 +153,6 @@ class RemoteEngine:
         self._turn = (self._turn + 1) % len(self._links)
         rotated = self._links[self._turn :] + self._links[: self._turn]
         return min(rotated, key=lambda link: len(link.keys))
-
-    def cancel(self, request_id: int) -> None:
-        """Stop a sequence: its "abort" event comes at once; the engine frees its slot within a step."""
-        sequence = self._sequences.pop(request_id, None)
-        if sequence is None:
-            return
-        self._release(request_id, sequence)
-        self._hand_over([(sequence.stream.on_event, sequence.stream.final(request_id, [], "", "abort"))])
 
     def stats(self) -> dict[str, Any]:
         """What this replica has in flight, and over how many token links; the engines' own counters come
@@ -203,41 +175,32 @@ class RemoteEngine:
         loop.call_soon_threadsafe(self._take, link, output)
 
     def _take(self, link: Link, output: StepOutput) -> None:
-        """The one loop over a step's output: tokens into text (stop strings too), events to their consumers."""
-        batch: list[tuple[Callable[[Event], None], Event]] = []
-        sequences = self._sequences
-        keys, tokens, finished, logprobs = output
-        finished = finished or _NONE_FINISHED
-        for row, (key, token) in enumerate(zip(keys, tokens, strict=True)):
-            sequence = sequences.get(key)
-            if sequence is None:
-                continue  # finished here already (a stop string, a cancel): the engine's tail is dropped
-            if sequence.link is None:
-                sequence.link = link
-                link.keys.add(key)
-            reason, error, _ = finished.get(row, _GOING_ON)
-            row_logprobs = logprobs.get(row) if logprobs is not None else None
-            event = sequence.stream.take(key, token, reason, error, row_logprobs)
-            if event is None:
-                continue
-            if event.finished:
-                del sequences[key]
-                link.keys.discard(key)
-                if reason is None:  # a stop string ended it here, before the engine would have
-                    self._release(key, sequence)
-            batch.append((sequence.stream.on_event, event))
-        self._hand_over(batch)
+        """On the event loop: a link's step, its sequences sent as Serve calls now known to be on it."""
+        if self._unlinked:
+            for key in self._unlinked.intersection(output.keys):
+                self._unlinked.discard(key)
+                sequence = self._sequences.get(key)
+                if sequence is not None and sequence.link is None:
+                    sequence.link = link
+                    link.keys.add(key)
+        self.take(output)
 
-    def _hand_over(self, batch: list[tuple[Callable[[Event], None], Event]]) -> None:
-        hand_over(batch, self._deliver)
+    def _ended(self, key: int, stream: TextStream, stopped_here: bool) -> None:
+        assert isinstance(stream, _Remote)
+        if stream.link is not None:
+            stream.link.keys.discard(key)
+        self._unlinked.discard(key)
+        super()._ended(key, stream, stopped_here)
 
-    def _release(self, key: int, sequence: _Remote) -> None:
+    def _stop(self, key: int, stream: TextStream) -> None:
         """Tell the engine a sequence is over here: on its link (within a step) and by cancelling its call."""
-        if sequence.link is not None:
-            sequence.link.keys.discard(key)
-            sequence.link.cancel(key)
-        if sequence.response is not None:
-            sequence.response.cancel()
+        assert isinstance(stream, _Remote)
+        self._unlinked.discard(key)
+        if stream.link is not None:
+            stream.link.keys.discard(key)
+            stream.link.cancel(key)
+        if stream.response is not None:
+            stream.response.cancel()
 
     # ---- links ---------------------------------------------------------------------------------
     def _link_up(self, link: Link) -> None:
@@ -286,10 +249,8 @@ class RemoteEngine:
             self._end(key, sequence, "error", "the engine's output for this sequence was lost")
 
     def _end(self, key: int, sequence: _Remote, reason: str, error: str) -> None:
-        del self._sequences[key]
-        if sequence.link is not None:
-            sequence.link.keys.discard(key)
-        self._hand_over([(sequence.stream.on_event, sequence.stream.final(key, [], "", reason, error))])
+        if self._sequences.get(key) is sequence:
+            self.end(key, reason, error)
 
     def _link_lost(self, link: Link) -> None:
         """On the reader thread, when an engine's connection ends: its sequences fail (on the loop)."""
@@ -311,7 +272,7 @@ class RemoteEngine:
         refused (it was admitted once): a request that met a dying engine, or a node lost, in that window
         still succeeds. One with tokens already out is not: they may have reached the client."""
         link = self._least_loaded_link()
-        if link is None or sequence.sent is None or sequence.stream.output.generated:
+        if link is None or sequence.sent is None or sequence.output.generated:
             return False
         if not link.submit(sequence.sent._replace(admission=None)):
             return False

@@ -18,6 +18,7 @@ replica that only fails its checks would wait for several in a row, meanwhile an
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import sys
@@ -29,9 +30,8 @@ from ray import serve
 
 from gpt2_platform.engine.config import EngineConfig
 from gpt2_platform.engine.link import Address
-from gpt2_platform.engine.messages import SubmitRequest
+from gpt2_platform.engine.messages import Finish, StepOutput, SubmitRequest
 from gpt2_platform.engine.process import EngineProcess
-from gpt2_platform.engine.requests import Event
 from gpt2_platform.monitoring import exporter
 from gpt2_platform.serve.autoscaling import ENGINE_SEQUENCES
 from gpt2_platform.serve.metrics import ServeMetrics
@@ -55,10 +55,12 @@ class GPT2Engine:
         self.config, self.model_name = config, model_name
         # start() warms every batch and span shape (and captures the CUDA graphs) before it returns, so
         # the replica reports healthy only once it serves at full speed.
-        self.engine = EngineProcess(model, tokenizer, config, on_exit=self._engine_exited).start()
+        self._keys = itertools.count(1)
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Finish]]] = {}  # by key, for `generate`
+        self.engine = EngineProcess(model, tokenizer, config, on_output=self._ended, on_exit=self._engine_exited)
+        self.engine.start()
         assert self.engine.max_seq_len is not None  # start() returns once the engine reported it
         self.max_seq_len: int = self.engine.max_seq_len
-        self._loop: asyncio.AbstractEventLoop | None = None
         exporter.start_if_wanted(gpu_monitor)  # idempotent: the first replica on a node starts them
         self.metrics = ServeMetrics(model_name)
         self.metrics.start_sampling(self.engine.stats)
@@ -113,22 +115,27 @@ class GPT2Engine:
         client went away) cancels the sequence.
         """
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[Event] = loop.create_future()
-
-        def on_event(event: Event) -> None:  # the last event only: the tokens went to the ingress
-            loop.call_soon_threadsafe(_settle, done, event)
-
-        request_id = self.engine.submit(
-            request.prompt_ids, request.params, on_event, admission=request.admission, link=request.link
-        )
+        key = next(self._keys)  # not the ingress's key: ingresses' keys overlap
+        done: asyncio.Future[Finish] = loop.create_future()
+        self._calls[key] = (loop, done)
         try:
-            event = await done
+            self.engine.submit(request._replace(key=key))
+            reason, error, _ = await done
         except asyncio.CancelledError:
-            self.engine.cancel(request_id)
+            self.engine.cancel(key)
             raise
-        if event.finish_reason == "refused":
-            return {"refused": event.error}
-        return {"finish_reason": event.finish_reason, "error": event.error}
+        finally:
+            self._calls.pop(key, None)
+        if reason == "refused":
+            return {"refused": error}
+        return {"finish_reason": reason, "error": error}
+
+    def _ended(self, output: StepOutput) -> None:
+        """On the engine process's reader thread: how `generate`'s sequences ended (their tokens went to links)."""
+        for row, end in (output.finished or {}).items():
+            call = self._calls.get(output.keys[row])
+            if call is not None:
+                call[0].call_soon_threadsafe(_settle, call[1], end)
 
     def stats(self) -> dict[str, Any]:
         context = serve.get_replica_context()
@@ -161,6 +168,6 @@ def _exit_process() -> None:
         os._exit(1)  # not sys.exit: this is the engine's reader thread, and Ray's worker loop holds the main one
 
 
-def _settle(future: asyncio.Future, event: Event) -> None:
+def _settle(future: asyncio.Future, end: Finish) -> None:
     if not future.done():
-        future.set_result(event)
+        future.set_result(end)
