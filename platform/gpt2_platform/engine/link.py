@@ -25,9 +25,13 @@ import socket
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from typing import TYPE_CHECKING
 
 from gpt2_platform.engine.messages import Address, Cancel, StepOutput, StepSink, SubmitRequest
 from gpt2_platform.engine.requests import TokenRecord
+
+if TYPE_CHECKING:
+    from gpt2_platform.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -129,62 +133,46 @@ class Link:
 
 
 class Outlet(StepSink):
-    """The engine's end of one ingress's link: the engine's token sink for the sequences on it, each step's
-    records sent as one `StepOutput`. A link that fails (its ingress is gone) is closed, and `on_cancel`
-    gets the engine id of each of its sequences, so the engine frees their slots.
-    """
+    """The engine's end of one ingress's link: the token sink of the sequences on it, each step's records sent
+    as one `StepOutput`. A link that fails (its ingress is gone) is closed, and its sequences cancelled."""
 
     def __init__(
         self,
         address: Address,
         authkey: bytes,
-        on_cancel: Callable[[int], None],
-        on_submit: Callable[[Outlet, SubmitRequest], None] | None = None,
+        engine: Engine,
     ) -> None:
-        super().__init__()
+        super().__init__(engine)
         self.address = address
         host, port = address  # Client takes only a tuple, whatever sequence the caller passed
         self.conn = Client((host, port), family="AF_INET", authkey=authkey)
         # Small messages, one per step: Nagle's delay would hold each for the previous one's ACK.
         _no_delay(self.conn)
-        self.on_cancel, self.on_submit = on_cancel, on_submit
         self._send_lock = threading.Lock()  # the engine's thread sends steps, the reader refusals
-        # key -> the engine's request id (None for the moment it is being submitted), for cancels
-        self.engine_ids: dict[int, int | None] = {}
         self._on_end: dict[int, Callable[[TokenRecord, int], None]] = {}  # keys whose end someone else awaits
         self.closed = False
         self._reader = threading.Thread(target=self._read, name="gpt2-outlet-reader", daemon=True)
         self._reader.start()
 
-    def expect(self, key: int, logprobs: bool, on_end: Callable[[TokenRecord, int], None] | None = None) -> None:
-        """Note a sequence about to be submitted under `key` (its engine id follows, for cancels); `on_end`
-        gets its last record too (on the engine's thread), for a sender other than the ingress to hear of it."""
-        self.engine_ids[key] = None
-        if logprobs:
-            self.with_logprobs.add(key)
+    def submit(self, request: SubmitRequest, on_end: Callable[[TokenRecord, int], None] | None = None) -> None:
+        """`on_end` gets the sequence's last record too (on the engine's thread), for a sender other than the
+        ingress to hear of its end."""
         if on_end is not None:
-            self._on_end[key] = on_end
-
-    def forget(self, key: int) -> None:
-        """A sequence `expect`ed and then refused: nothing is in flight under `key`."""
-        self.engine_ids.pop(key, None)
-        self.with_logprobs.discard(key)
-        self._on_end.pop(key, None)
+            self._on_end[request.key] = on_end
+        try:
+            super().submit(request)
+        except BaseException:
+            self._on_end.pop(request.key, None)
+            raise
 
     def ended(self, key: int, record: TokenRecord, num_generated: int) -> None:
-        self.engine_ids.pop(key, None)
         on_end = self._on_end.pop(key, None) if self._on_end else None
         if on_end is not None:
             on_end(record, num_generated)
 
-    def send(self) -> bool:
-        """Send what the step gathered; False if the link is gone (its sequences are cancelled)."""
-        output = self.output()
+    def send_output(self, output: StepOutput) -> bool:
         if self.closed:
             return False
-        return output is None or self.send_now(output)
-
-    def send_now(self, output: StepOutput) -> bool:
         try:
             with self._send_lock:
                 self.conn.send(output.wire())
@@ -202,12 +190,10 @@ class Outlet(StepSink):
         try:
             while True:
                 message = self.conn.recv()
-                if type(message) is SubmitRequest and self.on_submit is not None:
-                    self.on_submit(self, message)
-                # One pop: the engine's thread may drop the key (its sequence ended) between a lookup and a
-                # delete, and a KeyError here would end the ingress's whole link.
-                elif type(message) is Cancel and (engine_id := self.engine_ids.pop(message.key, None)) is not None:
-                    self.on_cancel(engine_id)
+                if type(message) is SubmitRequest:  # on this thread, straight into the engine
+                    self.run(message)
+                elif type(message) is Cancel:
+                    self.cancel(message.key)
         except (EOFError, OSError):
             pass
         except Exception:
@@ -219,11 +205,7 @@ class Outlet(StepSink):
         if self.closed:
             return
         self.closed = True
-        for engine_id in list(self.engine_ids.values()):
-            if engine_id is not None:
-                self.on_cancel(engine_id)
-        self.engine_ids.clear()
-        self.with_logprobs.clear()
+        self.cancel_all()
 
 
 def _no_delay(conn: Connection) -> None:

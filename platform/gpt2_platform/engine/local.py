@@ -9,13 +9,12 @@ function in one call where one was given, else each to its own callback.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gpt2_platform.engine.messages import DELTA, OutputKind, StepOutput, StepSink, SubmitRequest
 from gpt2_platform.engine.output import OutputProcessor, TextStream
-from gpt2_platform.engine.requests import Event, GenerationParams, TokenRecord
+from gpt2_platform.engine.requests import Event, GenerationParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -101,58 +100,16 @@ class LocalEngine(EngineClient):
         super().__init__(InProcessCore(engine), engine.tokenizer, engine.byte_table, engine.eos_token_id)
 
 
-_CANCELLED = -1  # an engine id no sequence has: cancelled before Engine.submit returned its id
-
-
 class InProcessCore(StepSink):
-    """An `Engine` in this process as a core (`EngineCore`): the token sink of every sequence its client
-    submits, each step's records handed on as one StepOutput, and the client's keys mapped to the engine's ids."""
+    """An `Engine` in this process as a core (`EngineCore`): the sink of every sequence its client submits."""
 
     def __init__(self, engine: Engine) -> None:
-        super().__init__()
-        self.engine = engine
+        super().__init__(engine)
         self.max_seq_len: int | None = engine.max_seq_len
         self.on_output: Callable[[StepOutput], None] | None = None
-        self._engine_ids: dict[int, int | None] = {}  # key -> the engine's id (None until submit returns it)
-        self._lock = threading.Lock()
 
-    def submit(self, request: SubmitRequest) -> None:
-        key = request.key
-        with self._lock:
-            self._engine_ids[key] = None  # before Engine.submit: its records may come, and end it, at once
-        if request.params.logprobs is not None:
-            self.with_logprobs.add(key)
-        try:
-            engine_id = self.engine.submit(request, self)
-        except BaseException:
-            with self._lock:
-                del self._engine_ids[key]
-            self.with_logprobs.discard(key)
-            raise
-        with self._lock:
-            state = self._engine_ids.get(key, 0)  # 0: it ended already
-            if state is None:
-                self._engine_ids[key] = engine_id
-            elif state == _CANCELLED:
-                del self._engine_ids[key]
-        if state == _CANCELLED:
-            self.engine.cancel(engine_id)
-
-    def cancel(self, key: int) -> None:
-        with self._lock:
-            engine_id = self._engine_ids.get(key, 0)
-            if engine_id is None:
-                self._engine_ids[key] = _CANCELLED
-        if engine_id is not None and engine_id > 0:
-            self.engine.cancel(engine_id)
-
-    def ended(self, key: int, record: TokenRecord, num_generated: int) -> None:
-        with self._lock:
-            self._engine_ids.pop(key, None)
-
-    def send(self) -> bool:
-        output = self.output()
-        if output is not None and self.on_output is not None:
+    def send_output(self, output: StepOutput) -> bool:
+        if self.on_output is not None:
             self.on_output(output)
         return True
 

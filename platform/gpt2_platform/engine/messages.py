@@ -13,10 +13,15 @@ message, more than the data of a small step.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from gpt2_platform.engine.admission import Admission
-from gpt2_platform.engine.requests import GenerationParams, TokenLogprob, TokenRecord
+from gpt2_platform.engine.requests import EngineDeadError, GenerationParams, TokenLogprob, TokenRecord
+
+if TYPE_CHECKING:
+    from gpt2_platform.engine.engine import Engine
 
 Address = tuple[str, int]
 """An ingress's token link listener: (host, port)."""
@@ -146,34 +151,100 @@ class StepOutput(NamedTuple):
         return tuple.__new__(cls, (keys, tokens, finished or None, logprobs))
 
 
-class StepSink:
-    """A token sink (engine/requests.py, TokenSink) whose iteration's records leave as one StepOutput (`output`):
-    the engine process's sinks (to its parent, to a token link) and the in-process core's (engine/local.py)."""
+_SUBMITTING, _CANCELLED = 0, -1  # a key's engine id before Engine.submit returned it (the engine's start at 1)
 
-    def __init__(self) -> None:
+
+class StepSink:
+    """The token sink (engine/requests.py, TokenSink) of the sequences one sender submits to an engine by its
+    own keys: cancels by key from any thread, and each iteration's records sent on as one StepOutput (`send`).
+    The engine process's sinks (to its parent, to each token link) and the in-process core (engine/local.py)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
         self.pending: list[TokenRecord] = []
-        self.with_logprobs: set[int] = set()
-        """Keys whose records carry log-probabilities: only with one is a step's output searched for them."""
+        self.engine_ids: dict[int, int] = {}  # key -> the engine's id, until the sequence ends
+        self._with_logprobs: set[int] = set()  # keys whose records carry log-probabilities
         self._finished: dict[int, Finish] = {}  # row of pending -> the end of the sequence it ends
         self._last_with_logprobs = False  # a last record this step carried log-probabilities
+        self._lock = threading.Lock()
+
+    def submit(self, request: SubmitRequest) -> None:
+        """Run `request` in the engine, its records here: ValueError or EngineDeadError where the engine refuses."""
+        key = request.key
+        with self._lock:
+            self.engine_ids[key] = _SUBMITTING  # its records may come, and end it, before Engine.submit returns
+        if request.params.logprobs is not None:
+            self._with_logprobs.add(key)
+        try:
+            engine_id = self.engine.submit(request, self)
+        except BaseException:
+            with self._lock:
+                self.engine_ids.pop(key, None)
+            self._with_logprobs.discard(key)
+            raise
+        with self._lock:
+            state = self.engine_ids.get(key)  # None: it ended already
+            if state == _SUBMITTING:
+                self.engine_ids[key] = engine_id
+            elif state == _CANCELLED:
+                del self.engine_ids[key]
+        if state == _CANCELLED:
+            self.engine.cancel(engine_id)
+
+    def run(self, request: SubmitRequest, submit: Callable[[SubmitRequest], None] | None = None) -> None:
+        """Submit `request` (with `submit`, where given), or end it at once: refused under its admission
+        (engine/admission.py), or refused by the engine (its sender validated it)."""
+        admission = request.admission
+        refused = None if admission is None else self.engine.refusal(admission)
+        if refused is not None:
+            self.end(request.key, "refused", refused.text())
+            return
+        try:
+            (submit or self.submit)(request)
+        except (ValueError, EngineDeadError, OSError) as error:
+            self.end(request.key, "error", f"engine refused: {error}")
+
+    def cancel(self, key: int) -> None:
+        with self._lock:
+            engine_id = self.engine_ids.get(key)
+            if engine_id == _SUBMITTING:
+                self.engine_ids[key] = _CANCELLED
+        if engine_id is not None and engine_id > 0:
+            self.engine.cancel(engine_id)
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            engine_ids, self.engine_ids = list(self.engine_ids.values()), {}
+        for engine_id in engine_ids:
+            if engine_id > 0:
+                self.engine.cancel(engine_id)
 
     def add(self, record: TokenRecord, num_generated: int) -> None:
         key = record[0]
         self._finished[len(self.pending)] = (record[2], record[3], num_generated)
         self.pending.append(record)
-        if key in self.with_logprobs:
-            self.with_logprobs.discard(key)
+        if key in self._with_logprobs:
+            self._with_logprobs.discard(key)
             self._last_with_logprobs = True
+        with self._lock:
+            self.engine_ids.pop(key, None)
         self.ended(key, record, num_generated)
 
     def ended(self, key: int, record: TokenRecord, num_generated: int) -> None:
         """The sequence under `key` had its last record, on the engine's thread."""
 
-    def output(self) -> StepOutput | None:
-        """The records since the last call as one StepOutput; None if there were none."""
+    def end(self, key: int, reason: str, error: str | None) -> None:
+        """Send the end of a sequence that never reached the engine."""
+        self.send_output(StepOutput.ended(key, reason, error))
+
+    def send(self) -> bool:
+        """Send the iteration's records on as one StepOutput; False if their receiver is gone."""
         if not self.pending:
-            return None
+            return True
         records, self.pending = self.pending, []
         finished, self._finished = self._finished, {}
-        with_logprobs, self._last_with_logprobs = self._last_with_logprobs or bool(self.with_logprobs), False
-        return StepOutput.of_records(records, finished, with_logprobs)
+        with_logprobs, self._last_with_logprobs = self._last_with_logprobs or bool(self._with_logprobs), False
+        return self.send_output(StepOutput.of_records(records, finished, with_logprobs))
+
+    def send_output(self, output: StepOutput) -> bool:
+        raise NotImplementedError

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -35,7 +34,7 @@ from gpt2_platform.engine.messages import (
     SubmitRequest,
 )
 from gpt2_platform.engine.process import ENGINE_PROCESS_NAME, EngineSpec
-from gpt2_platform.engine.requests import EngineDeadError, TokenRecord
+from gpt2_platform.engine.requests import EngineDeadError
 
 if TYPE_CHECKING:
     from gpt2_platform.engine.engine import Engine
@@ -47,40 +46,37 @@ _POLL_S = 0.1
 
 
 class _ParentSink(StepSink):
-    """The token sink of the sequences the parent sends on the pipe: a step's records go back as one
-    StepOutput, under the parent's keys."""
+    """The token sink of the sequences the parent sends on the pipe, under the parent's keys; a sequence that
+    names a link has its tokens go there, and only its end comes back here."""
 
-    def __init__(self, send: Callable[[tuple], None], ended: deque[int]) -> None:
-        super().__init__()
-        self._send, self._ended = send, ended
+    def __init__(self, engine: Engine, send: Callable[[tuple], None]) -> None:
+        super().__init__(engine)
+        self._send = send
+        self._linked: dict[int, tuple[Outlet, int]] = {}  # parent's key -> the link and its key there
 
-    def ended(self, key: int, record: TokenRecord, num_generated: int) -> None:
-        self._ended.append(key)  # for the command thread to forget
-
-    def send(self) -> bool:
-        output = self.output()
-        if output is not None:
-            self._send(output.wire())
+    def send_output(self, output: StepOutput) -> bool:
+        self._send(output.wire())
         return True
 
     def end(self, key: int, reason: str, error: str | None, num_generated: int = 0) -> None:
-        """A sequence that had no tokens here ended: refused, failed, or its tokens went to a link."""
-        self._ended.append(key)
+        self._linked.pop(key, None)
         self._send(StepOutput.ended(key, reason, error, num_generated).wire())
 
-    def end_of_linked(self, key: int) -> Callable[[TokenRecord, int], None]:
-        """What a link's outlet calls with the last record of the parent's sequence `key` (its tokens went to
-        the link): the parent hears of the end at once."""
-        return lambda record, num_generated: self.end(key, record[2], record[3], num_generated)
+    def submit_linked(self, key: int, outlet: Outlet, request: SubmitRequest) -> None:
+        """`request`, its tokens to `outlet` under its link's key; the parent hears of its end at once."""
+        self._linked[key] = (outlet, request.key)
+        try:
+            outlet.submit(request, lambda record, num_generated: self.end(key, record[2], record[3], num_generated))
+        except BaseException:
+            self._linked.pop(key, None)
+            raise
 
-
-def refusal(engine: Engine, request: SubmitRequest) -> str | None:
-    """Whether the engine refuses `request` under its admission (engine/admission.py), and why: the one
-    check for sequences from the parent and from ingresses' links alike."""
-    if request.admission is None:
-        return None
-    refused = engine.refusal(request.admission)
-    return None if refused is None else refused.text()
+    def cancel(self, key: int) -> None:
+        linked = self._linked.pop(key, None)
+        if linked is None:
+            super().cancel(key)
+        else:
+            linked[0].cancel(linked[1])
 
 
 class _Outlets:
@@ -102,19 +98,8 @@ class _Outlets:
         with self._lock:
             outlet = self._by_address.get(address)
             if outlet is None or outlet.closed:
-                outlet = self._by_address[address] = Outlet(address, authkey, self.engine.cancel, self.submit)
+                outlet = self._by_address[address] = Outlet(address, authkey, self.engine)
         return outlet
-
-    def submit(self, outlet: Outlet, request: SubmitRequest) -> None:
-        """On the link's reader thread: run the sequence, or refuse it on the link at once (engine/admission.py)."""
-        refused = refusal(self.engine, request)
-        if refused is not None:
-            outlet.send_now(StepOutput.ended(request.key, "refused", refused, None))
-            return
-        try:
-            _submit_to_outlet(self.engine, outlet, request, None)
-        except (ValueError, EngineDeadError) as error:  # the ingress validated; this is the engine refusing
-            outlet.send_now(StepOutput.ended(request.key, "error", f"engine refused: {error}", None))
 
     def in_flight(self) -> int:
         """Sequences that came over links and have not finished."""
@@ -155,7 +140,6 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine process] %(message)s"
         )
     send_lock = threading.Lock()
-    finished: deque[int] = deque()  # parent ids the engine finished, for the command thread to forget
 
     def send(message: tuple) -> None:
         with send_lock:
@@ -169,8 +153,8 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
     try:
         vocab_size = engine.runner.model.config.vocab_size
         send(Ready(engine.max_seq_len, vocab_size, "transformers" in sys.modules, engine.stats()))
-        parent = _ParentSink(send, finished)
-        _serve_commands(conn, parent_pid, engine, parent, send, finished, _Outlets(engine), gc_pauses.GcPauses())
+        parent = _ParentSink(engine, send)
+        _serve_commands(conn, parent_pid, engine, parent, send, _Outlets(engine), gc_pauses.GcPauses())
     except (EOFError, OSError):
         pass  # the parent is gone
     finally:
@@ -229,11 +213,9 @@ def _serve_commands(
     engine: Engine,
     parent: _ParentSink,
     send: Callable[[tuple], None],
-    finished: deque[int],
     outlets: _Outlets,
     pauses: gc_pauses.GcPauses,
 ) -> None:
-    engine_ids: dict[int, int] = {}  # parent's request id -> the engine's, for cancel
     last_stats, last_stats_at = None, 0.0
     while os.getppid() == parent_pid:
         if conn.poll(_POLL_S):
@@ -242,16 +224,14 @@ def _serve_commands(
             if kind is Shutdown:
                 return
             if kind is SubmitRequest:
-                _submit(engine, engine_ids, outlets, parent, message)
+                _submit(outlets, parent, message)
             elif kind is Connect:
                 try:
                     outlets.get(message.address, message.authkey)
                 except OSError as error:  # the ingress went away meanwhile; it asks again if it is back
                     logger.warning("could not open a token link to %s: %r", message.address, error)
-            elif kind is Cancel and message.key in engine_ids:
-                engine.cancel(engine_ids.pop(message.key))  # one is enough; a waiting request never finishes
-        while finished:
-            engine_ids.pop(finished.popleft(), None)
+            elif kind is Cancel:
+                parent.cancel(message.key)
         try:
             engine.check_health()
         except EngineDeadError as error:
@@ -265,48 +245,16 @@ def _serve_commands(
                 last_stats = stats
 
 
-def _submit_to_outlet(
-    engine: Engine, outlet: Outlet, request: SubmitRequest, on_end: Callable[[TokenRecord, int], None] | None
-) -> int:
-    """A sequence whose tokens go to `outlet` under `request.key`, known to the outlet by its engine id (for
-    the ingress's cancels) from before the engine can finish it: its last record removes the key. With
-    `on_end` (a sequence the parent sent, naming the link) the parent hears of its end too."""
-    key = request.key
-    outlet.expect(key, request.params.logprobs is not None, on_end)
-    try:
-        engine_id = engine.submit(request, outlet)
-    except BaseException:
-        outlet.forget(key)  # refused: nothing in flight for this key
-        raise
-    if key in outlet.engine_ids:  # not finished already
-        outlet.engine_ids[key] = engine_id
-    return engine_id
-
-
-def _submit(
-    engine: Engine,
-    engine_ids: dict[int, int],
-    outlets: _Outlets,
-    parent: _ParentSink,
-    request: SubmitRequest,
-) -> None:
-    """A sequence from the parent: refused under its admission, or run, its tokens to the parent or to the link
-    it names. The engine makes no text here: a delta request's tokens come a record each, a final-only one's
-    (where the engine can hold it quietly) in one run at its end."""
-    key = request.key
-    refused = refusal(engine, request)
-    if refused is not None:
-        parent.end(key, "refused", refused)
+def _submit(outlets: _Outlets, parent: _ParentSink, request: SubmitRequest) -> None:
+    """A sequence from the parent: refused under its admission, or run, its tokens to the parent or to the
+    link it names."""
+    link = request.link
+    if link is None:
+        parent.run(request)
         return
-    try:
-        if request.link is None:
-            if request.params.logprobs is not None:
-                parent.with_logprobs.add(key)
-            engine_ids[key] = engine.submit(request, parent)
-        else:
-            outlet = outlets.get(request.link.address, request.link.authkey)
-            linked = request._replace(key=request.link.key, output_kind=DELTA)
-            engine_ids[key] = _submit_to_outlet(engine, outlet, linked, parent.end_of_linked(key))
-    except (ValueError, EngineDeadError, OSError) as error:  # the parent validated; this is the engine refusing
-        parent.with_logprobs.discard(key)
-        parent.end(key, "error", f"engine refused: {error}")
+
+    def submit_linked(request: SubmitRequest) -> None:
+        outlet = outlets.get(link.address, link.authkey)
+        parent.submit_linked(request.key, outlet, request._replace(key=link.key, output_kind=DELTA))
+
+    parent.run(request, submit_linked)
