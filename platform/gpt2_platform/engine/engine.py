@@ -195,9 +195,9 @@ class Engine:
         if not prompts:
             return []
         params = [dataclasses.replace(p, sampling=p.sampling.resolved()) for p in params]  # Completion.seed
-        sink = CompletionSink(self.tokenizer, self.byte_table, self.eos_token_id, params, self.cancel)
+        sink = CompletionSink(self, params)
         for key, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            sink.started(self.submit(SubmitRequest(key, prompt, p, DELTA if p.stop else FINAL_ONLY), sink))
+            sink.submit(SubmitRequest(key, prompt, p, DELTA if p.stop else FINAL_ONLY))
         while not sink.wait(timeout_s=1.0):
             self.check_health()
         return sink.completions(prompts)
