@@ -1,16 +1,15 @@
 """The client of an engine core, in this process or in its own: the engine interface (engine/protocol.py) over
 the core's typed requests and step outputs, the events and their text made here (engine/output.py).
 
-A core takes `SubmitRequest`s under the client's keys and hands each step's output to the client as one
-`StepOutput`: `EngineProcess` (engine/process.py) over its pipe, and `InProcessCore` here for an `Engine` in
-this process. The events go out from the core's thread once per step: through the `deliver_in_batches`
-function in one call where one was given, else each to its own callback.
+A core takes `SubmitRequest`s under its client's keys and hands the client every sequence's output, its end
+included however it ends, as one `StepOutput` a step (`on_output`, on the core's thread): `EngineProcess`
+(engine/process.py) over its pipe, `InProcessCore` here for an `Engine` in this process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from gpt2_platform.engine.messages import DELTA, OutputKind, StepOutput, StepSink, SubmitRequest
 from gpt2_platform.engine.output import OutputProcessor, TextStream
@@ -21,21 +20,7 @@ if TYPE_CHECKING:
 
     from gpt2_platform.engine.detokenize import ByteTable
     from gpt2_platform.engine.engine import Engine
-
-
-class EngineCore(Protocol):
-    """An engine as its client drives it: by the client's keys, every sequence's output (its end included,
-    however it ends) to `on_output`, a StepOutput per step."""
-
-    max_seq_len: int | None
-    on_output: Callable[[StepOutput], None] | None
-
-    def submit(self, request: SubmitRequest) -> None: ...
-    def cancel(self, key: int) -> None: ...
-    def validate(self, prompt_ids: list[int], params: GenerationParams) -> None: ...
-    def check_health(self) -> None: ...
-    def stats(self) -> dict[str, Any]: ...
-    def shutdown(self) -> None: ...
+    from gpt2_platform.engine.process import EngineProcess
 
 
 class EngineClient(OutputProcessor):
@@ -43,7 +28,7 @@ class EngineClient(OutputProcessor):
 
     def __init__(
         self,
-        core: EngineCore,
+        core: InProcessCore | EngineProcess,
         tokenizer: PreTrainedTokenizerBase,
         byte_table: ByteTable | None,
         eos_token_id: int | None,

@@ -14,7 +14,6 @@ message, more than the data of a small step.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from gpt2_platform.engine.admission import Admission
@@ -191,16 +190,16 @@ class StepSink:
         if state == _CANCELLED:
             self.engine.cancel(engine_id)
 
-    def run(self, request: SubmitRequest, submit: Callable[[SubmitRequest], None] | None = None) -> None:
-        """Submit `request` (with `submit`, where given), or end it at once: refused under its admission
-        (engine/admission.py), or refused by the engine (its sender validated it)."""
+    def run(self, request: SubmitRequest) -> None:
+        """Submit `request`, or end it at once: refused under its admission (engine/admission.py), or refused
+        by the engine (its sender validated it)."""
         admission = request.admission
         refused = None if admission is None else self.engine.refusal(admission)
         if refused is not None:
             self.end(request.key, "refused", refused.text())
             return
         try:
-            (submit or self.submit)(request)
+            self.submit(request)
         except (ValueError, EngineDeadError, OSError) as error:
             self.end(request.key, "error", f"engine refused: {error}")
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from gpt2_platform.engine.detokenize import ByteTable, IncrementalDetokenizer, find_stop
 from gpt2_platform.engine.messages import DELTA, OutputKind, RowLogprobs, StepOutput
-from gpt2_platform.engine.requests import Deliver, Event, GenerationParams, LogprobStream, hand_over
+from gpt2_platform.engine.requests import Deliver, Event, GenerationParams, LogprobStream
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -221,7 +221,7 @@ class OutputProcessor:
                     del streams[key]
                     self._ended(key, stream, reason is None)
                 batch.append((stream.on_event, event))
-            hand_over(batch, self._deliver)
+            self._hand_over(batch)
 
     def cancel(self, key: int) -> None:
         """Stop a sequence: its "abort" event comes at once; its core frees its slot within a step."""
@@ -234,7 +234,16 @@ class OutputProcessor:
             if stream is None:
                 return
             self._stop(key, stream)
-            hand_over([(stream.on_event, stream.final(key, [], "", reason, error))], self._deliver)
+            self._hand_over([(stream.on_event, stream.final(key, [], "", reason, error))])
+
+    def _hand_over(self, batch: list[tuple[Callable[[Event], None], Event]]) -> None:
+        if not batch:
+            return
+        if self._deliver is not None:
+            self._deliver(batch)
+            return
+        for on_event, event in batch:
+            on_event(event)
 
     def _ended(self, key: int, stream: TextStream, stopped_here: bool) -> None:
         """A sequence had its last event; `stopped_here`: a stop string ended it, and its core would go on."""

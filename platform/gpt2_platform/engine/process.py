@@ -64,7 +64,7 @@ class EngineSpec:
 
 
 class EngineProcess:
-    """An `Engine` in a spawned child process, driven through a pipe: a core (engine/local.py, EngineCore)."""
+    """An `Engine` in a spawned child process, driven through a pipe: a core as engine/local.py's client takes."""
 
     def __init__(
         self,
@@ -80,7 +80,6 @@ class EngineProcess:
         child exits or its engine fails after start (never for `shutdown`), after the pending sequences' ends."""
         self.spec = EngineSpec(model, tokenizer, config, warmup, tuple(modes))
         self.on_output, self._on_exit = on_output, on_exit
-        self.config = config
         self.max_seq_len: int | None = None  # known once the child has built its engine
         self.vocab_size: int | None = None
         self.tokenizer: PreTrainedTokenizerBase | None = None  # loaded here at start, for a client's text
@@ -117,14 +116,8 @@ class EngineProcess:
         self._stats = ready.stats
         self._reader = threading.Thread(target=self._read, name="gpt2-engine-reader", daemon=True)
         self._reader.start()
-        logger.info(
-            "engine process %d ready (max_seq_len %d; %s)",
-            self._process.pid,
-            self.max_seq_len,
-            "it imported transformers for its tokenizer"
-            if self.child_imported_transformers
-            else "its tokenizer a byte table",
-        )
+        how = "imported transformers for its tokenizer" if self.child_imported_transformers else "a byte table"
+        logger.info("engine process %d ready (max_seq_len %d; %s)", self._process.pid, self.max_seq_len, how)
         return self
 
     def _send_tokenizer(self) -> None:
@@ -153,9 +146,9 @@ class EngineProcess:
             message = self._conn.recv()
         except EOFError:
             _wait(self._process, 5)
-            raise EngineStartError(
-                f"the engine process exited with code {self._process.returncode} while starting"
-            ) from None
+            message = None
+        if message is None:
+            raise EngineStartError(f"the engine process exited with code {self._process.returncode} while starting")
         if type(message) is StartFailed:
             raise EngineStartError(f"the engine process could not start its engine:\n{message.traceback}")
         assert type(message) is Ready, message
@@ -170,19 +163,15 @@ class EngineProcess:
             self._send(Shutdown())
         except (OSError, EngineDeadError):
             pass  # already gone
-        self._stop_process()
-        if self._reader is not None:
-            self._reader.join(timeout=5)
-        self._fail_pending("engine shut down")
-
-    def _stop_process(self) -> None:
-        assert self._process is not None
         if not _wait(self._process, 30):
             logger.warning("engine process %d did not stop in 30 s; killing it", self._process.pid)
             self._process.kill()
             _wait(self._process, 10)
         if self._conn is not None:
             self._conn.close()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        self._fail_pending("engine shut down")
 
     def check_health(self) -> None:
         """Raise EngineDeadError if the child died or its engine loop failed."""
@@ -211,12 +200,9 @@ class EngineProcess:
         except BaseException:
             self._pending.discard(key)
             raise
-        with self._lock:
-            failed = self._error is not None and key in self._pending
-            if failed:
-                self._pending.discard(key)
-        if failed:
-            raise EngineDeadError(self._error)  # the reader failed the pending sequences before this one joined
+        if self._error is not None and key in self._pending:  # the reader failed the others before this one joined
+            self._pending.discard(key)
+            raise EngineDeadError(self._error)
 
     def connect(self, address: Address, authkey: bytes) -> None:
         """Have the child open a token link to the ingress at `address` (if it has none), for the ingress
@@ -234,11 +220,8 @@ class EngineProcess:
             pass  # nothing left to stop
 
     def stats(self) -> dict[str, Any]:
-        """The child's counters as of its last report (at most 0.1 s old while it works).
-
-        running + waiting counts what this process submitted and has not seen end, as of the moment it was
-        submitted, plus the sequences ingresses sent the child over their token links (as of its last report).
-        """
+        """The child's counters as of its last report (at most 0.1 s old while it works), but running + waiting:
+        the sequences submitted here and not ended, from the moment they are, plus those of links."""
         in_flight = len(self._pending) + self._stats.get("link_sequences", 0)
         running = min(self._stats.get("running", 0), in_flight)
         return {**self._stats, "running": running, "waiting": in_flight - running}

@@ -49,9 +49,9 @@ class _ParentSink(StepSink):
     """The token sink of the sequences the parent sends on the pipe, under the parent's keys; a sequence that
     names a link has its tokens go there, and only its end comes back here."""
 
-    def __init__(self, engine: Engine, send: Callable[[tuple], None]) -> None:
+    def __init__(self, engine: Engine, send: Callable[[tuple], None], outlets: _Outlets) -> None:
         super().__init__(engine)
-        self._send = send
+        self._send, self._outlets = send, outlets
         self._linked: dict[int, tuple[Outlet, int]] = {}  # parent's key -> the link and its key there
 
     def send_output(self, output: StepOutput) -> bool:
@@ -62,11 +62,18 @@ class _ParentSink(StepSink):
         self._linked.pop(key, None)
         self._send(StepOutput.ended(key, reason, error, num_generated).wire())
 
-    def submit_linked(self, key: int, outlet: Outlet, request: SubmitRequest) -> None:
-        """`request`, its tokens to `outlet` under its link's key; the parent hears of its end at once."""
-        self._linked[key] = (outlet, request.key)
-        try:
-            outlet.submit(request, lambda record, num_generated: self.end(key, record[2], record[3], num_generated))
+    def submit(self, request: SubmitRequest) -> None:
+        link = request.link
+        if link is None:
+            super().submit(request)
+            return
+        key, outlet = request.key, self._outlets.get(link.address, link.authkey)
+        self._linked[key] = (outlet, link.key)
+        try:  # the parent hears of its end at once
+            outlet.submit(
+                request._replace(key=link.key, output_kind=DELTA),
+                lambda record, num_generated: self.end(key, record[2], record[3], num_generated),
+            )
         except BaseException:
             self._linked.pop(key, None)
             raise
@@ -153,8 +160,7 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
     try:
         vocab_size = engine.runner.model.config.vocab_size
         send(Ready(engine.max_seq_len, vocab_size, "transformers" in sys.modules, engine.stats()))
-        parent = _ParentSink(engine, send)
-        _serve_commands(conn, parent_pid, engine, parent, send, _Outlets(engine), gc_pauses.GcPauses())
+        _serve_commands(conn, parent_pid, engine, send)
     except (EOFError, OSError):
         pass  # the parent is gone
     finally:
@@ -207,15 +213,9 @@ def _build_engine(conn: Connection, spec: EngineSpec, age: float | None) -> Engi
     return engine
 
 
-def _serve_commands(
-    conn: Connection,
-    parent_pid: int,
-    engine: Engine,
-    parent: _ParentSink,
-    send: Callable[[tuple], None],
-    outlets: _Outlets,
-    pauses: gc_pauses.GcPauses,
-) -> None:
+def _serve_commands(conn: Connection, parent_pid: int, engine: Engine, send: Callable[[tuple], None]) -> None:
+    outlets, pauses = _Outlets(engine), gc_pauses.GcPauses()
+    parent = _ParentSink(engine, send, outlets)
     last_stats, last_stats_at = None, 0.0
     while os.getppid() == parent_pid:
         if conn.poll(_POLL_S):
@@ -224,7 +224,7 @@ def _serve_commands(
             if kind is Shutdown:
                 return
             if kind is SubmitRequest:
-                _submit(outlets, parent, message)
+                parent.run(message)
             elif kind is Connect:
                 try:
                     outlets.get(message.address, message.authkey)
@@ -243,18 +243,3 @@ def _serve_commands(
             if stats != last_stats:
                 send(Stats(stats))
                 last_stats = stats
-
-
-def _submit(outlets: _Outlets, parent: _ParentSink, request: SubmitRequest) -> None:
-    """A sequence from the parent: refused under its admission, or run, its tokens to the parent or to the
-    link it names."""
-    link = request.link
-    if link is None:
-        parent.run(request)
-        return
-
-    def submit_linked(request: SubmitRequest) -> None:
-        outlet = outlets.get(link.address, link.authkey)
-        parent.submit_linked(request.key, outlet, request._replace(key=link.key, output_kind=DELTA))
-
-    parent.run(request, submit_linked)

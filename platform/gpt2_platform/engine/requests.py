@@ -86,18 +86,6 @@ Deliver = Callable[[list[tuple[Callable[[Event], None], Event]]], None]
 """What `deliver_in_batches` takes: a function given one engine step's events as (on_event, event) pairs."""
 
 
-def hand_over(batch: list[tuple[Callable[[Event], None], Event]], deliver: Deliver | None) -> None:
-    """Give a step's events to their consumers: to `deliver` in one call where one was given (a server that
-    hops to its event loop once per batch), else each to its own callback."""
-    if not batch:
-        return
-    if deliver is not None:
-        deliver(batch)
-        return
-    for on_event, event in batch:
-        on_event(event)
-
-
 TokenRecord = tuple
 """A sequence's output as a token sink takes it: (key, token or -1, finish reason or None, error or None), and
 for a sequence that asked for log-probabilities a fifth item, (the token's TokenLogprob or None, the prompt's

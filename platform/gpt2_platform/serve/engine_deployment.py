@@ -53,11 +53,11 @@ class GPT2Engine:
         age, started = process_age_s(), time.perf_counter()
         configure_worker_logging()  # Serve sets up its own loggers only: our start-up lines would be lost
         self.config, self.model_name = config, model_name
-        # start() warms every batch and span shape (and captures the CUDA graphs) before it returns, so
-        # the replica reports healthy only once it serves at full speed.
         self._keys = itertools.count(1)
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Finish]]] = {}  # by key, for `generate`
         self.engine = EngineProcess(model, tokenizer, config, on_output=self._ended, on_exit=self._engine_exited)
+        # start() warms every batch and span shape (and captures the CUDA graphs) before it returns, so
+        # the replica reports healthy only once it serves at full speed.
         self.engine.start()
         assert self.engine.max_seq_len is not None  # start() returns once the engine reported it
         self.max_seq_len: int = self.engine.max_seq_len
