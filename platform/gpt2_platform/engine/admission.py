@@ -9,7 +9,7 @@ within the wait budget (`limits.max_queue_wait_s`); a refused one is told to ret
 should have drained, not after a fixed second. A rate measured over a window in which the queue was
 empty for a while counts the demand, not what the slots can do (an engine that just started, or a burst
 after a quiet spell), so the engine also models the rate from its step time and the lengths its slots
-hold, and admission takes the higher (Engine.drain_per_s). A hard bound (`limits.max_waiting`) still caps the queue's
+hold, and admission takes the higher (Scheduler.drain_per_s). A hard bound (`limits.max_waiting`) still caps the queue's
 memory. A sequence cancelled while it waits (its client went away) leaves the queue at once (Engine.cancel).
 
 This module imports no torch: the ingress builds the policy, the engine process applies it.

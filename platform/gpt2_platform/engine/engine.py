@@ -1,13 +1,10 @@
 """The inference engine: continuous batching over a static KV cache.
 
-One background thread owns the model. Each iteration it admits waiting
-requests into free cache slots (a batched prefill that yields their first
-token), then runs one decode step for every running sequence. A request joins
-at the next step and leaves the step it finishes, so nobody waits for a batch
-to drain. Consumers submit from any thread: `Engine.submit` takes the typed request
-(engine/messages.py) and puts token records into a sink, no text. The text is the
-clients': engine/local.py's for a server in this process, engine/collect.py's for
-`generate()`, which blocks on a block of requests (Ray Data).
+One background thread owns the model. Each iteration it admits waiting requests into free cache slots (a
+batched prefill that yields their first token), then runs one decode step for every running sequence, so
+nobody waits for a batch to drain. `Engine.submit`, from any thread, takes the typed request
+(engine/messages.py) and puts token records into a sink, no text: that is the clients' (engine/local.py),
+and `generate()`'s (engine/collect.py), which blocks on a block of requests (Ray Data).
 
 This module is the facade and the loop; the slots' bookkeeping is scheduler.py's, the per-step output
 delivery.py's, and what `auto` settings resolve to resolve.py's.
@@ -234,10 +231,6 @@ class Engine:
     def refusal(self, admission: Admission) -> Refusal | None:
         """None if a request may join now under `admission` (engine/admission.py), else why not."""
         return self.scheduler.refusal(admission)
-
-    def drain_per_s(self) -> float:
-        """Sequences a second the slots should start, for admission (Scheduler.drain_per_s)."""
-        return self.scheduler.drain_per_s()
 
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:

@@ -1,20 +1,14 @@
 """The token link: an engine's tokens straight to the process that serves their HTTP responses.
 
-A Serve app here is several ingress replicas (HTTP, JSON, text) in front of one engine per GPU.
-Serve finds the engines and keeps them running; the work itself goes over this link. An ingress
-sends each sequence to the engine it has fewest sequences on, and gets its tokens back in one
-message per engine step carrying every token that step made for that ingress's sequences. A Ray
-call per sequence costs the engine's replica milliseconds of host time, and a Ray object per token,
-or per SSE chunk, more than the step that made the token.
+Serve finds the engines and keeps them running; the work goes over this link. An ingress sends each
+sequence to the engine it has fewest sequences on, and gets its tokens back in one message per engine
+step: a Ray call per sequence costs the engine's replica milliseconds of host time, and a Ray object per
+token more than the step that made it.
 
 The ingress listens (`Inlet`); an engine connects to it (`Outlet`) when Serve routes it one of the
-ingress's calls (GPT2Engine.connect, or a sequence sent through Serve before any link is up), on a
-TCP socket authenticated by a key the ingress hands out in that call (which Ray's own
-authentication covers), so no other process can inject or read tokens. Submits and cancels go from
-the ingress straight to the engine's process on the same connection, without a Ray call.
-
-Messages are pickled, so only the two authenticated ends ever unpickle them. They are engine/messages.py's:
-a `SubmitRequest` or a `Cancel` from the ingress, and one `StepOutput` per engine step back from the engine.
+ingress's calls, on a TCP socket authenticated by a key the ingress hands out in that call (which Ray's
+own authentication covers), so no other process can inject or read tokens. Messages, engine/messages.py's,
+are pickled, so only the two authenticated ends ever unpickle them.
 """
 
 from __future__ import annotations
@@ -35,12 +29,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Address", "Inlet", "Link", "Outlet", "new_authkey"]
-
-
-def new_authkey() -> bytes:
-    return secrets.token_bytes(32)
-
 
 class Inlet:
     """The ingress's end: accepts engines' connections and hands each message to `on_message` from
@@ -53,7 +41,7 @@ class Inlet:
         on_lost: Callable[[Link], None],
         on_connect: Callable[[Link], None] = lambda link: None,
     ) -> None:
-        self.authkey = new_authkey()
+        self.authkey = secrets.token_bytes(32)
         self.on_message, self.on_lost, self.on_connect = on_message, on_lost, on_connect
         # No authkey on the listener itself: it would authenticate inside accept(), so one client that
         # connects and says nothing would stall every engine's connection behind it.

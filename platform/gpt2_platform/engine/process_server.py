@@ -7,6 +7,7 @@ in here, on each link's reader thread, without passing through the parent.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -19,9 +20,10 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from gpt2_platform import gc_pauses
-from gpt2_platform.engine.link import Address, Outlet
+from gpt2_platform.engine.link import Outlet
 from gpt2_platform.engine.messages import (
     DELTA,
+    Address,
     Cancel,
     Connect,
     Dead,
@@ -87,12 +89,8 @@ class _ParentSink(StepSink):
 
 
 class _Outlets:
-    """The child's token links, one per ingress, and the sequences ingresses send on them.
-
-    A sequence that comes over a link goes from the link's reader thread straight into the engine: it
-    never passes through the parent, whose Serve replica would spend more host time per sequence than
-    the engine does.
-    """
+    """The child's token links, one per ingress. A sequence that comes over one goes from its reader thread
+    straight into the engine, not through the parent's Serve replica, which would spend more host time on it."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -170,43 +168,34 @@ def _child_main(conn: Connection, parent_pid: int, spec: EngineSpec) -> None:
 
 def _build_engine(conn: Connection, spec: EngineSpec, age: float | None) -> Engine:
     """Load the model, take the tokenizer the parent sent (or load it), build and warm the engine, and log
-    where the time went."""
-    # A replica's start-up is mostly this process's: say where it went, from the process's creation on,
-    # the imports timed apart.
-    imports = [time.perf_counter()]
+    where the time went, from the process's creation on: a replica's start-up is mostly this process's."""
+    marks = [("", time.perf_counter())]
+
+    def mark(phase: str) -> None:
+        marks.append((phase, time.perf_counter()))
+
     import torch  # noqa: F401
 
-    imports.append(time.perf_counter())
+    mark("torch import")
     from gpt2_platform import checkpoint
     from gpt2_platform.engine.engine import Engine
     from gpt2_platform.tokenizer import load_tokenizer
 
-    imports.append(time.perf_counter())
+    mark("our imports")
     model = checkpoint.load_pretrained(spec.model)
-    loaded = time.perf_counter()
+    mark("model")
     tokenizer = conn.recv()  # from the parent (EngineProcess._send_tokenizer), loaded meanwhile
-    waited = time.perf_counter()
-    from_parent = tokenizer is not None
-    if not from_parent:  # not plain byte-level BPE: the engine needs the tokenizer itself
+    mark("waiting for the parent's tokenizer")
+    if tokenizer is None:  # not plain byte-level BPE: the engine needs the tokenizer itself
         tokenizer = load_tokenizer(spec.tokenizer)
-    tokenized = time.perf_counter()
+        mark("tokenizer, not byte-level BPE so loaded here")
     engine = Engine(model, tokenizer, spec.config)
-    built = time.perf_counter()
+    mark("engine")
     engine.start(spec.warmup, spec.modes)
-    logger.info(
-        "engine ready %.1f s after this process started (interpreter %.1f s; imports %.1f s: torch %.1f, "
-        "ours %.1f; model %.1f s; tokenizer: waited for the parent's %.1f s%s; engine %.1f s, warm-up %.1f s)",
-        (age or 0.0) + time.perf_counter() - imports[0],
-        age or 0.0,
-        imports[-1] - imports[0],
-        imports[1] - imports[0],
-        imports[2] - imports[1],
-        loaded - imports[2],
-        waited - loaded,
-        "" if from_parent else f", not byte-level BPE so loaded here {tokenized - waited:.1f} s",
-        built - tokenized,
-        time.perf_counter() - built,
-    )
+    mark("warm-up")
+    phases = ", ".join(f"{phase} {end - start:.1f} s" for (_, start), (phase, end) in itertools.pairwise(marks))
+    total_s = (age or 0.0) + marks[-1][1] - marks[0][1]
+    logger.info("engine ready %.1f s after this process started (interpreter %.1f s, %s)", total_s, age or 0.0, phases)
     # What this process holds by now (torch, the model, the graphs) lives as long as it does: out of
     # the collector's sight, a full collection no longer walks it while the engine's thread waits.
     gc_pauses.settle()

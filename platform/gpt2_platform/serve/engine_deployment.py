@@ -1,18 +1,15 @@
 """The engine deployment: one replica per GPU (or GPU share), owning a model and its engine.
 
-The ingress replicas (serve/app.py) do everything HTTP; this deployment only batches. Serve starts
-its replicas, checks their health, replaces the dead ones, scales them (on the sequences they hold:
-`record_autoscaling_stats`, serve/autoscaling.py) and routes the ingresses' calls to them. The work
-itself does not go through Serve: `connect` has the engine open a token link to an ingress
-(engine/link.py), and from then on that ingress sends its sequences to the engine's process and
-gets their tokens back on the link, one message per engine step. `generate`, one Serve call per
-sequence, is there for an ingress that has no link yet.
+The ingress replicas (serve/app.py) do everything HTTP; this deployment only batches. Serve starts, checks,
+replaces, scales (`record_autoscaling_stats`, serve/autoscaling.py) and routes to its replicas, but the work
+does not go through Serve: `connect` has the engine open a token link to an ingress (engine/link.py), which
+then sends its sequences to the engine's process and gets their tokens back, one message per engine step.
+`generate`, one Serve call per sequence, is for an ingress that has no link yet.
 
-The engine runs in a child process (engine/process.py), so this replica's event loop and the
-engine's loop never wait for each other's GIL. A replica whose engine process exits has nothing left to
-serve, so it exits too, at once: Serve replaces a crashed replica at its next health check, where a
-replica that only fails its checks would wait for several in a row, meanwhile answering every call
-(pings, connects, sequences) with a traceback.
+The engine runs in a child process (engine/process.py), so this replica's event loop and the engine's loop
+never wait for each other's GIL. A replica whose engine process exits exits too, at once: Serve replaces a
+crashed replica at its next health check, where one that only fails its checks would wait for several,
+answering every call with a traceback meanwhile.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ import ray
 from ray import serve
 
 from gpt2_platform.engine.config import EngineConfig
-from gpt2_platform.engine.link import Address
-from gpt2_platform.engine.messages import Finish, StepOutput, SubmitRequest
+from gpt2_platform.engine.messages import Address, Finish, StepOutput, SubmitRequest
 from gpt2_platform.engine.process import EngineProcess
 from gpt2_platform.monitoring import exporter
 from gpt2_platform.serve.autoscaling import ENGINE_SEQUENCES
@@ -106,14 +102,9 @@ class GPT2Engine:
             self.engine.shutdown()
 
     async def generate(self, request: SubmitRequest) -> dict[str, Any]:
-        """Run one sequence, its tokens going to `request.link`; returns how it ended once it has.
-
-        Refused (`{"refused": ...}`) when the engine should not start it within the wait budget of
-        `request.admission`, decided in the engine process as for a sequence sent over a link
-        (engine/process_server.py: refusal): the ingress answers 429 with the engine's Retry-After. None:
-        never refused (the rest of a request whose first sequence was admitted). Cancelling the call (the
-        client went away) cancels the sequence.
-        """
+        """Run one sequence, its tokens going to `request.link`; returns how it ended once it has: refused
+        (`{"refused": ...}`, the ingress answers 429 with its Retry-After) where the engine process would not
+        start it within `request.admission`'s wait budget. Cancelling the call cancels the sequence."""
         loop = asyncio.get_running_loop()
         key = next(self._keys)  # not the ingress's key: ingresses' keys overlap
         done: asyncio.Future[Finish] = loop.create_future()
