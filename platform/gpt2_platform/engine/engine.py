@@ -160,7 +160,9 @@ class Engine:
         come in one run at its end; one asking for log-probabilities or echo goes as "delta". No text here:
         the engine ends a sequence at end-of-text, its token budget or a cancel, and stop strings are the
         consumer's (engine/output.py's TextOutput). `admission` and `link` are the engine process's."""
-        params = self._checked(request.prompt_ids, request.params)
+        self.check_health()
+        params = dataclasses.replace(request.params, stop=(), sampling=request.params.sampling.resolved())
+        self.validate(request.prompt_ids, params)
         quiet = request.output_kind == FINAL_ONLY and not (params.echo or params.logprobs is not None)
         stop_token = -1 if params.ignore_eos or self.eos_token_id is None else self.eos_token_id
         sequence = Sequence(
@@ -170,15 +172,6 @@ class Engine:
         )  # fmt: skip
         self.scheduler.add(sequence)
         return sequence.request_id
-
-    def _checked(self, prompt_ids: list[int], params: GenerationParams) -> GenerationParams:
-        """`params` with the sampling seed resolved; ValueError for a request the engine cannot take."""
-        self.check_health()
-        sampling = params.sampling.resolved()
-        assert sampling.seed is not None
-        params = dataclasses.replace(params, stop=tuple(params.stop), sampling=sampling)
-        self.validate(prompt_ids, params)
-        return params
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (a client went away); its slot is free after the current step."""

@@ -1,9 +1,7 @@
-"""The client of an engine core, in this process or in its own: the engine interface (engine/protocol.py) over
-the core's typed requests and step outputs, the events and their text made here (engine/output.py).
-
-A core takes `SubmitRequest`s under its client's keys and hands the client every sequence's output, its end
-included however it ends, as one `StepOutput` a step (`on_output`, on the core's thread): `EngineProcess`
-(engine/process.py) over its pipe, `InProcessCore` here for an `Engine` in this process.
+"""The client of an engine core, in this process or in its own: the engine interface (engine/protocol.py),
+its events and their text made here (engine/output.py). A core takes `SubmitRequest`s under its client's
+keys and hands back every sequence's output, its end included however it ends, one `StepOutput` a step
+(`on_output`): `EngineProcess` (engine/process.py), or `InProcessCore` here for an `Engine` in this process.
 """
 
 from __future__ import annotations

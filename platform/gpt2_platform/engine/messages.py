@@ -1,14 +1,11 @@
-"""Typed messages at the engine's edge: what goes to an engine, and what one engine step sends back.
+"""Typed messages at the engine's edge, the same on every transport (the engine process's pipe, the token
+link): a request is a `SubmitRequest`, one engine step's output for many sequences one `StepOutput`, which
+`StepSink` makes of the engine's token records.
 
-The same types travel on every transport: the engine process's pipe (engine/process.py and
-engine/process_server.py) and the token link between an ingress and an engine (engine/link.py).
-A request is a `SubmitRequest`; one engine step's output for many sequences is one `StepOutput`.
-
-A `StepOutput` is columnar (parallel lists of keys and tokens, with sparse finish and log-probability
-entries by row): the link sends one per engine step for hundreds of sequences, and two lists of ints
-pickle and unpickle in a fraction of the time a tuple per sequence takes (tools/probes/step_output_pickle.py).
-On the wire it is a plain tuple (`StepOutput.wire`): pickling a class instance costs microseconds a
-message, more than the data of a small step.
+A `StepOutput` is columnar (parallel lists of keys and tokens, sparse finish and log-probability entries by
+row): two lists of ints pickle in a fraction of the time a tuple per sequence takes
+(tools/probes/step_output_pickle.py). On the wire it is a plain tuple: pickling a class instance costs
+microseconds a message, more than the data of a small step.
 """
 
 from __future__ import annotations

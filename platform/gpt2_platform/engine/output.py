@@ -1,11 +1,9 @@
-"""Output processing: a sequence's tokens turned into the text a client sees.
+"""Output processing: a sequence's tokens turned into the text and events a client sees.
 
-The scheduler (engine.py) decides only what ends a sequence on the device's side: its end-of-text
-token and its token budget. Everything about text is here: incremental detokenizing, stop strings
-(which end a sequence early), and holding back a tail that could still grow into one. The split is
-vLLM's: its engine core emits token ids and its API servers turn them into text, so the per-token
-text work runs in the processes that serve HTTP, spread over the machine's cores, and not in the one
-process that feeds the GPU. The in-process engine runs the same code on its own thread.
+The engine ends a sequence only by token: end-of-text, its budget, a cancel. Everything about text is here:
+incremental detokenizing, stop strings, and holding back a tail that could still grow into one. The split
+is vLLM's: the per-token text work runs in the processes that serve HTTP, spread over the machine's cores,
+not in the one that feeds the GPU.
 """
 
 from __future__ import annotations
@@ -27,12 +25,10 @@ if TYPE_CHECKING:
 class TextOutput:
     """One sequence's text as its tokens arrive.
 
-    `add` takes each generated token with what the scheduler knows about it, and returns what to
-    emit: the token ids, the new text, and the finish reason (None while the sequence goes on).
-    With `incremental` False (and no stop strings) only the first token is announced (no ids, no
-    text: a server still learns when its first token came; not even that without `announce`), then
-    nothing until the end, when the whole text is decoded at once: detokenizing every token of a large
-    batch costs more host time than the device step, and a caller that wants only the result need not pay it.
+    With `incremental` False (and no stop strings) only the first token is announced (no ids, no text: a
+    server still learns when it came; not even that without `announce`), then nothing until the end, when
+    the whole text is decoded at once: detokenizing every token of a large batch costs more host time than
+    the device step, and a caller that wants only the result need not pay it.
     """
 
     __slots__ = ("detokenizer", "tokenizer", "stop", "hold", "incremental", "announce_at", "generated",
@@ -159,10 +155,9 @@ _NONE_FINISHED: dict = {}
 
 
 class OutputProcessor:
-    """A client's sequences on their way to their consumers: the one loop over a core's StepOutputs on the
-    client side, as vLLM's output processor. The client of the engine in this process or in its own
-    (engine/local.py) and an ingress's over token links (serve/engine_client.py) are this; `_stop` tells
-    their core that a sequence is over here."""
+    """A client's sequences on their way to their consumers, as vLLM's output processor: the one loop over a
+    core's StepOutputs, for engine/local.py's clients and an ingress's (serve/engine_client.py), whose
+    `_stop` tells their core that a sequence is over here."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, byte_table: ByteTable | None, eos_token_id: int | None):
         self.tokenizer, self.byte_table, self.eos_token_id = tokenizer, byte_table, eos_token_id

@@ -1,13 +1,10 @@
 """The engine in a child process of its own: its own GIL (and CUDA context), away from the HTTP work.
 
-This module is the parent's side, `EngineProcess`, a core as engine/local.py's client drives one: it
-validates and sends `SubmitRequest`s (engine/messages.py), and a reader thread hands each `StepOutput` the
-child (engine/process_server.py) sends, one per engine step, to `on_output`. The child makes no text.
-
-The child exits when its parent does (the pipe closes, or its parent pid changes). If it dies, every
-pending sequence ends with an error row and `check_health` raises; the parent hears of it at once (the
-pipe's EOF), so an owner that passed `on_exit` can act then (a Serve replica exits, to be replaced,
-rather than wait for its health checks to fail).
+`EngineProcess` is the parent's side, a core as engine/local.py's client drives one: it validates and sends
+`SubmitRequest`s, and a reader thread hands each `StepOutput` the child (engine/process_server.py) sends to
+`on_output`. The child exits when its parent does. If it dies, every pending sequence ends with an error
+and `check_health` raises; the parent hears of it at once (the pipe's EOF), so an owner can act then
+(`on_exit`: a Serve replica exits, to be replaced, rather than wait for its health checks to fail).
 """
 
 from __future__ import annotations

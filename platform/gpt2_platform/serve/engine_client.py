@@ -1,13 +1,11 @@
-"""The engine deployment as an ingress replica sees it: the engine interface, over Serve and a token link.
+"""The engine deployment as an ingress replica sees it: the engine interface (engine/protocol.py), over Serve
+and token links.
 
-`RemoteEngine` meets the same interface as the clients of an engine in this process or in its own
-(engine/protocol.py), so the HTTP code does not know where its engine runs. Each engine that
-Serve routes one of this replica's `connect` calls to opens a token link to it (engine/link.py);
-a sequence goes over the link to the engine this replica has fewest sequences on, and its tokens
-come back on it, turned into text here by the output processor every client runs (engine/output.py),
-stop strings included, on the replica's event loop. Before any link is up (the first requests of a new replica), a sequence goes as one
-Serve call (GPT2Engine.generate), which also brings the link up. This replica asks Serve to
-`connect` again every few seconds, so engines that Serve adds are found.
+Each engine that Serve routes one of this replica's `connect` calls to (every few seconds, so engines Serve
+adds are found) opens a token link to it (engine/link.py); a sequence goes over the link to the engine this
+replica has fewest sequences on, and its tokens come back on it, turned into text by the output processor
+every client runs (engine/output.py), on the replica's event loop. Before any link is up (a new replica's
+first requests), a sequence goes as one Serve call (GPT2Engine.generate), which also brings a link up.
 
 Failures: a link that drops (the engine's process died) or a call that fails (its replica died)
 ends the sequences it carried with an "error" event at once. Its error says what happened, not what
@@ -237,20 +235,16 @@ class RemoteEngine(OutputProcessor):
         if self._sequences.get(key) is not sequence:
             return
         if "refused" in result:
-            self._end(key, sequence, "refused", f"the engine is busy ({result['refused']})")
+            self.end(key, "refused", f"the engine is busy ({result['refused']})")
         elif result.get("error") and result.get("finish_reason") in (None, "error"):
-            self._end(key, sequence, "error", result["error"])
+            self.end(key, "error", result["error"])
         else:  # it ended; its last tokens may still be on their way over the link
             asyncio.get_running_loop().call_later(_LINK_GRACE_S, self._expire, key, sequence)
 
     def _expire(self, key: int, sequence: _Remote) -> None:
         if self._sequences.get(key) is sequence:
             logger.error("sequence %d ended in the engine but its last tokens never arrived", key)
-            self._end(key, sequence, "error", "the engine's output for this sequence was lost")
-
-    def _end(self, key: int, sequence: _Remote, reason: str, error: str) -> None:
-        if self._sequences.get(key) is sequence:
-            self.end(key, reason, error)
+            self.end(key, "error", "the engine's output for this sequence was lost")
 
     def _link_lost(self, link: Link) -> None:
         """On the reader thread, when an engine's connection ends: its sequences fail (on the loop)."""
@@ -264,8 +258,8 @@ class RemoteEngine(OutputProcessor):
         failed = [(key, sequence) for key, sequence in lost if not self._send_again(key, sequence)]
         if failed and not self._links:  # with another engine still linked, new requests go there
             self._engine_failed("its process exited")
-        for key, sequence in failed:
-            self._end(key, sequence, "error", "the engine's process exited")
+        for key, _ in failed:
+            self.end(key, "error", "the engine's process exited")
 
     def _send_again(self, key: int, sequence: _Remote) -> bool:
         """Move a sequence whose engine was lost before its first token to another linked engine, never
