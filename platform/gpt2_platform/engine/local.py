@@ -7,7 +7,7 @@ keys and hands back every sequence's output, its end included however it ends, o
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpt2_platform.engine.messages import DELTA, OutputKind, StepOutput, StepSink, SubmitRequest
 from gpt2_platform.engine.output import OutputProcessor, TextStream
@@ -34,14 +34,12 @@ class EngineClient(OutputProcessor):
         super().__init__(tokenizer, byte_table, eos_token_id)
         self.core = core
         core.on_output = self.take
-        assert core.max_seq_len is not None, "start the core first"
-        self.max_seq_len: int = core.max_seq_len
-
-    def check_health(self) -> None:
-        self.core.check_health()
-
-    def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
-        self.core.validate(prompt_ids, params)
+        engine = core.engine if isinstance(core, InProcessCore) else core
+        assert engine.max_seq_len is not None, "start the engine process first"
+        self.max_seq_len: int = engine.max_seq_len
+        # What is not about one sequence is the engine's own.
+        self.check_health, self.validate, self.stats = engine.check_health, engine.validate, engine.stats
+        self.shutdown = engine.shutdown
 
     def submit(
         self,
@@ -69,12 +67,6 @@ class EngineClient(OutputProcessor):
     def _stop(self, key: int, stream: TextStream) -> None:
         self.core.cancel(key)
 
-    def stats(self) -> dict[str, Any]:
-        return self.core.stats()
-
-    def shutdown(self) -> None:
-        self.core.shutdown()
-
 
 class LocalEngine(EngineClient):
     """The client of an `Engine` in this process."""
@@ -84,26 +76,13 @@ class LocalEngine(EngineClient):
 
 
 class InProcessCore(StepSink):
-    """An `Engine` in this process as a core (`EngineCore`): the sink of every sequence its client submits."""
+    """An `Engine` in this process as a core: the sink of every sequence its client submits."""
 
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
-        self.max_seq_len: int | None = engine.max_seq_len
         self.on_output: Callable[[StepOutput], None] | None = None
 
     def send_output(self, output: StepOutput) -> bool:
         if self.on_output is not None:
             self.on_output(output)
         return True
-
-    def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
-        self.engine.validate(prompt_ids, params)
-
-    def check_health(self) -> None:
-        self.engine.check_health()
-
-    def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()

@@ -96,7 +96,7 @@ class TokenSink(Protocol):
     """Where the engine puts the tokens of the sequences submitted with it (`Engine.submit`):
     one record per token, gathered during an engine iteration and sent once at its end. No Event is
     built for them: at hundreds of sequences a step, that per-token object was a large share of the
-    engine's host time (engine/link.py's Outlet is the one sink)."""
+    engine's host time (engine/messages.py's StepSink is the base of the package's sinks)."""
 
     pending: list[TokenRecord]
     """Records of the iteration so far; the engine appends each token's record here."""
