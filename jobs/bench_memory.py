@@ -1,6 +1,8 @@
 """Which training setups fit gpt2-xl (or any preset) on a 24, 16 or 12 GB card, and what each costs in speed.
 
     python jobs/bench_memory.py --presets gpt2 gpt2-xl --caps 24 16 12     # on one GPU
+    python jobs/bench_memory.py --presets gpt2-xl --caps 24 --compile --grad-accum 4 \
+        --setups "ddp + adamw8bit + checkpointing"                          # the 24 GB recipe as it ships
     python jobs/bench_memory.py --presets gpt2-xl --caps 24 16 12 --compile --setups \
         "ddp + adamw8bit + checkpointing" "ddp + adamw_bf16 + checkpointing" \
         "ddp + offload optimizer and gradients + checkpointing"             # the recipes' setups
@@ -44,6 +46,9 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3, help="timed steps, after one untimed")
+    parser.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches a step, as train.grad_accum_steps (the recipes: 4)"
+    )
     parser.add_argument("--compile", action="store_true", help="torch.compile the model in every setup")
     parser.add_argument("--parity-steps", type=int, default=0, help="compare loss curves over this many steps")
     parser.add_argument("--parity-text", type=Path, help="the text file for --parity-steps (bytes as tokens)")
@@ -55,7 +60,10 @@ def main() -> int:
     parser.add_argument("--cap-gib", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     compile_mode = "default" if args.compile else "off"
+    if args.grad_accum < 1:
+        parser.error(f"--grad-accum must be at least 1, got {args.grad_accum}")
     shape = ["--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
+    shape += ["--grad-accum", str(args.grad_accum)]
     shape += ["--compile"] if args.compile else []
     shape += ["--profile", str(args.profile.resolve())] if args.profile else []
     if args.parity_steps and args.parity_text is None:
@@ -66,7 +74,14 @@ def main() -> int:
         return 0
     if args.one:  # the child: one run, its result as a JSON line
         run = memory.run_one(
-            *args.one, args.cap_gib, args.batch_size, args.seq_len, args.steps, compile_mode, args.profile
+            *args.one,
+            args.cap_gib,
+            args.batch_size,
+            args.seq_len,
+            args.steps,
+            compile_mode,
+            args.profile,
+            args.grad_accum,
         )
         print(json.dumps(memory.to_json([run])[0]))
         return 0
@@ -84,7 +99,10 @@ def main() -> int:
     for preset_name in args.presets:
         for setup in args.setups:
             runs += memory.smallest_cap(Path(__file__).resolve(), preset_name, setup, args.caps, shape, log)
-    print(f"batch {args.batch_size} x {args.seq_len}, bf16, {'compiled' if args.compile else 'eager'}, one worker")
+    accum = f", {args.grad_accum} micro-batches a step" if args.grad_accum > 1 else ""
+    print(
+        f"batch {args.batch_size} x {args.seq_len}{accum}, bf16, {'compiled' if args.compile else 'eager'}, one worker"
+    )
     print(memory.as_markdown(runs, args.caps))
     if args.json_out:
         memory.write(args.json_out, runs)

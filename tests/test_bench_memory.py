@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,11 @@ def test_a_lora_setup_trains_only_the_adapters_and_a_profiled_step_leaves_a_trac
             assert torch.equal(param, frozen[name]), f"{name} is frozen but changed"
     assert path.name == "tiny-lora.pt.trace.json"
     assert "aten::" in traces.summary(tmp_path, top=5)  # the operators its steps ran
+
+
+def test_a_step_of_no_micro_batches_is_refused_before_any_run() -> None:
+    script = Path(__file__).resolve().parent.parent / "jobs" / "bench_memory.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--grad-accum", "0"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "--grad-accum must be at least 1, got 0" in done.stderr, done.stderr

@@ -53,7 +53,8 @@ class Sink:
 
     def add(self, record: tuple, num_generated: int) -> None:
         self.pending.append(record)
-        self.finished += 1
+        if record[2] is not None:  # the sequence's end (a record per token with deltas)
+            self.finished += 1
 
     def send(self) -> bool:
         records, self.pending = self.pending, []

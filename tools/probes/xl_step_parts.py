@@ -71,6 +71,7 @@ def main() -> int:
     parser.add_argument("--checkpoint-blocks", type=int, default=-1)
     parser.add_argument("--compile", choices=["whole", "blocks", "off"], default="blocks")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches a step (the recipes: 4)")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -81,7 +82,7 @@ def main() -> int:
     try:
         model, step = build(args, device)
         tokens = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
-        batch = [(tokens[:, :-1], tokens[:, 1:])]
+        batch = [(tokens[:, :-1], tokens[:, 1:])] * args.grad_accum
         parts = {"fwd_bwd": 0.0, "clip": 0.0, "optimizer": 0.0}
         events = {name: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for name in parts}
 
@@ -125,7 +126,7 @@ def main() -> int:
         elapsed = start.elapsed_time(end) / 1000
         result.update(
             fits=True,
-            tokens_per_s=round(args.batch_size * args.seq_len * args.steps / elapsed),
+            tokens_per_s=round(args.batch_size * args.seq_len * args.grad_accum * args.steps / elapsed),
             step_s=round(elapsed / args.steps, 4),
             **{f"{name}_s": round(value / args.steps, 4) for name, value in parts.items()},
             peak_allocated_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2),

@@ -123,8 +123,13 @@ def run_one(
     steps: int,
     compile_mode: str,
     profile_dir: Path | None = None,
+    grad_accum: int = 1,
 ) -> Run:
     """In this process: train `steps` steps (after one untimed) under the cap; the peaks and the speed.
+
+    A step takes `grad_accum` micro-batches before its optimizer update, as a recipe's train.grad_accum_steps
+    does: the update's cost is paid once a step, so a setup whose optimizer is slow (the low-bit ones) is
+    timed at the accumulation it ships with.
 
     With `profile_dir`, two more steps after the timed ones are profiled into a trace there (jobs/trace_summary.py
     reads it): where a setup's step time goes, kernel by kernel, is what says how to make it faster."""
@@ -137,7 +142,7 @@ def run_one(
     try:
         model, step = build_setup(preset_name, setup, device, compile_mode)
         tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq_len + 1), device=device)
-        batch = [(tokens[:, :-1], tokens[:, 1:])]
+        batch = [(tokens[:, :-1], tokens[:, 1:])] * grad_accum
         step(batch, lr=1e-4)
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -154,7 +159,7 @@ def run_one(
             fits=True,
             peak_allocated_gib=torch.cuda.max_memory_allocated(device) / 2**30,
             peak_reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
-            tokens_per_s=batch_size * seq_len * steps / elapsed,
+            tokens_per_s=batch_size * seq_len * grad_accum * steps / elapsed,
             step_s=elapsed / steps,
         )
     except torch.cuda.OutOfMemoryError as error:
