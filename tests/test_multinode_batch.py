@@ -27,11 +27,12 @@ pytestmark = pytest.mark.slow
 MARKER_VAR = "GPT2_PLATFORM_TEST_MULTINODE_BATCH"
 NUM_PROMPTS = 300
 
-# The driver: a head without CPUs (so both actors land on workers), two workers of 3 CPUs, a run without
+# The driver: a head without CPUs (so both actors land on workers), two workers of 2 CPUs, a run without
 # faults, then the same run losing the node of one of its actors once a few batches are staged. The survivor
 # must hold both actors (the restarted one joins it) and still have the CPU the job keeps for reading: Ray
-# re-runs the read tasks whose blocks died with the node, and with 2 CPUs a worker the restarted actor took
-# the last one and the job waited for a CPU forever.
+# re-runs the read tasks whose blocks died with the node. Hence actors of half a CPU; with a whole one each,
+# the restarted actor took the survivor's last CPU and the job waited for one forever. (Workers of 3 CPUs
+# would do too, but Ray starts a worker process per CPU ahead of need, which costs this machine seconds.)
 DRIVER = """
 import json, sys, threading, time
 from pathlib import Path
@@ -59,7 +60,7 @@ cluster = Cluster(
         },
     },
 )
-workers = [cluster.add_node(num_cpus=3, resources={f"worker_{i}": 1}) for i in range(2)]
+workers = [cluster.add_node(num_cpus=2, resources={f"worker_{i}": 1}) for i in range(2)]
 cluster.wait_for_nodes()
 ray.init(address=cluster.address)
 ray.data.DataContext.get_current().enable_progress_bars = False
@@ -157,7 +158,7 @@ def test_losing_a_node_mid_job_loses_and_duplicates_no_row(prompts: Path, model_
         "engine.max_batch_size=32",
         "engine.dtype=fp32",
         "scaling.num_actors=2",
-        "scaling.num_cpus_per_actor=1",
+        "scaling.num_cpus_per_actor=0.5",
         "scaling.batch_size=20",
         "scaling.concurrent_batches_per_actor=1",
     ]
