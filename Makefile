@@ -28,8 +28,8 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests -m "not multinode"
 
-# Training, serving and monitoring across nodes, a node lost or joining (issue 39): about four minutes on 2
-# cores, past make test's 15-minute budget. (The batch job's multi-node test stays in make test.)
+# Training and serving across nodes, a node lost or joining (issue 39): about three minutes on 2 cores,
+# past make test's 15-minute budget. (The batch job's and monitoring's multi-node tests are in make test.)
 test-multinode: $(STAMP)
 	$(PY) -m pytest -q tests -m multinode
 

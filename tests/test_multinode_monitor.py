@@ -22,7 +22,7 @@ import pytest
 
 from helpers_multinode import run_driver
 
-pytestmark = [pytest.mark.slow, pytest.mark.multinode]
+pytestmark = pytest.mark.slow
 
 MARKER_VAR = "GPT2_PLATFORM_TEST_MULTINODE_MONITOR"
 TESTS_DIR = Path(__file__).resolve().parent
