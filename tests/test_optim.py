@@ -83,6 +83,44 @@ def test_low_bit_states_are_low_bit_and_bf16_holds_everything_in_bf16() -> None:
         assert p.dtype == optimizer.state[p]["exp_avg"].dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit", "adamw_bf16"])
+def test_a_low_bit_step_is_torchaos_own_without_a_compile_wrapper_per_parameter(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpt2_platform.train.optim import _TORCHAO_CLASSES, torchao_optim
+
+    optim = OptimConfig(name=name)
+    kwargs = {"bf16_stochastic_round": True} if name == "adamw_bf16" else {}
+    models = [tiny_model().to(weights_dtype(optim)) for _ in range(2)]
+    ours = build_optimizer(models[0], optim, CPU)
+    twin = dict(zip(models[0].parameters(), models[1].parameters(), strict=True))
+    groups = [{"params": [twin[p] for p in g["params"]], "weight_decay": g["weight_decay"]} for g in ours.param_groups]
+    theirs = getattr(torchao_optim(), _TORCHAO_CLASSES[name])(groups, betas=(optim.beta1, optim.beta2), **kwargs)
+    wrapped = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: wrapped.append(a) or real_compile(*a, **k))
+    torch.manual_seed(1)
+    for step in range(3):
+        grads = [torch.randn_like(p) * 1e-2 for p in models[0].parameters()]
+        counts = []
+        for optimizer, model in ((ours, models[0]), (theirs, models[1])):
+            for p, grad in zip(model.parameters(), grads, strict=True):
+                p.grad = grad.clone()
+            for group in optimizer.param_groups:
+                group["lr"].fill_(1e-3)
+            wrapped.clear()
+            torch.manual_seed(100 + step)  # the same random bits for bf16's stochastic rounding
+            with torch.compiler.set_stance("force_eager"):  # the same arithmetic, without compiling on a CPU
+                optimizer.step()
+            counts.append(len(wrapped))
+        assert counts[0] == 0 and counts[1] > 0, f"torch.compile calls a step (ours, torchao's): {counts}"
+    for mine, other in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(mine, other)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours.state[mine][key].dequantize() if name != "adamw_bf16" else ours.state[mine][key],
+                               theirs.state[other][key].dequantize() if name != "adamw_bf16" else theirs.state[other][key])  # fmt: skip
+
+
 def test_a_low_bit_optimizer_steps_under_the_fp16_grad_scaler() -> None:
     model = tiny_model()
     step = TrainStep(

@@ -104,9 +104,54 @@ def make_optimizer(groups: list[dict], optim: OptimConfig, device: torch.device)
         kwargs.pop("fused", None)  # torchao picks the CPU's fused AdamW itself
         return offload(groups, optimizer_class, offload_gradients=gradients, **kwargs)
     optimizer = optimizer_class(groups, **kwargs)
-    if optim.name != "adamw" and device.type == "cpu":
-        _step_eagerly(optimizer)
+    if optim.name != "adamw":
+        _compile_update_once(optimizer)
+        if device.type == "cpu":
+            _step_eagerly(optimizer)
     return optimizer
+
+
+def _compile_update_once(optimizer: torch.optim.Optimizer) -> None:
+    """torchao's step, with its per-parameter update compiled once instead of wrapped in a new torch.compile
+    for every parameter of every step. Building that wrapper (dynamo checks the function's source file on
+    the disk each time) costs the host more than the update's kernels take on a GPU, and gpt2-xl has some
+    580 parameters, so the GPU waited on it (tools/probes/optimizer_step_host.py times both on a CPU). The
+    arithmetic is torchao's own `single_param_adam`, its arguments as torchao's step passes them."""
+    from torchao.optim.adam import single_param_adam
+
+    update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+    new_buffer = optimizer._new_buffer  # type: ignore[attr-defined]
+    is_adamw, stochastic_round = optimizer.is_adamw, optimizer.bf16_stochastic_round  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def step(closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # One compiled variant per parameter shape and dtype, a fixed number for a model: no cache limit.
+        with torch._dynamo.utils.disable_cache_limit():
+            for group in optimizer.param_groups:
+                if not isinstance(group["lr"], torch.Tensor):
+                    raise RuntimeError("a low-bit optimizer's lr must stay a tensor: change it with set_lr")
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = optimizer.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"], state["exp_avg_sq"] = new_buffer(p, True), new_buffer(p, False)
+                        if group["amsgrad"]:
+                            state["max_exp_avg_sq"] = new_buffer(p, False)
+                    state["step"] += 1
+                    beta1, beta2 = group["betas"]
+                    # p.detach(): torchao's way around compile's trouble with FSDP2's DTensor parameters.
+                    update(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
+                           state.get("max_exp_avg_sq"), group["lr"], beta1, beta2, group["weight_decay"],
+                           group["eps"], is_adamw, stochastic_round and p.dtype is torch.bfloat16)  # fmt: skip
+        return loss
+
+    optimizer.step = step  # type: ignore[method-assign]
 
 
 def _step_eagerly(optimizer: torch.optim.Optimizer) -> None:
