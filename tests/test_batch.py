@@ -535,3 +535,33 @@ def test_a_logprobs_column_holds_each_generated_tokens_log_probability(ray_clust
     without = [option for option in base if option != "generation.logprobs=true"]
     with pytest.raises(Exception, match="generation.logprobs"):
         run_generation(load(None, [*without, "generation.temperature=0"]))
+
+
+def test_a_cluster_that_no_longer_holds_the_job_is_said_once_and_its_return_too(
+    ray_cluster, caplog: pytest.LogCaptureFixture
+):
+    # A lost node leaves the job waiting without an error (Ray restarts its actors and reads where there is
+    # room): the watch says so once, not at every look, and says when the cluster holds it again.
+    import ray
+
+    from gpt2_platform.batch.generate import capacity_watch
+
+    cpus = ray.cluster_resources()["CPU"]
+    needed = {"CPU": cpus + 1, "GPU": 0.0}
+    caplog.set_level(logging.INFO, logger="gpt2_platform.batch.generate")
+    with capacity_watch(needed, period_s=0.05):
+        time.sleep(0.5)  # some ten looks at a cluster one CPU short
+        needed["CPU"] = cpus  # as if a node had joined
+        time.sleep(0.3)
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpt2_platform.batch.generate"]
+    short = [line for line in lines if "no longer holds what this job needs" in line]
+    assert len(short) == 1, lines
+    assert f"{cpus + 1:g} CPU (the cluster has {cpus:g})" in short[0] and "GPU" not in short[0]
+    assert "resubmit with the same output" in short[0]
+    assert lines[-1] == "the cluster holds what this job needs again; it goes on", lines
+    with capacity_watch({"CPU": 1.0, "GPU": 0.0}, period_s=0.05):
+        caplog.clear()
+        time.sleep(0.2)
+    assert not [r for r in caplog.records if r.name == "gpt2_platform.batch.generate"], (
+        "a cluster with room says nothing"
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -115,6 +116,54 @@ def connect_and_plan_actors(scaling: ScalingConfig) -> tuple[int, float]:
     return num_actors, gpus_per_actor
 
 
+def job_needs(num_actors: int, gpus_per_actor: float, scaling: ScalingConfig) -> dict[str, float]:
+    """The CPUs and GPUs the job holds while it runs: its actors', and one CPU more to read the input with."""
+    return {"CPU": num_actors * scaling.num_cpus_per_actor + 1, "GPU": num_actors * gpus_per_actor}
+
+
+@contextmanager
+def capacity_watch(needed: dict[str, float], period_s: float = 5.0) -> Iterator[None]:
+    """While the job runs, say when the cluster's totals fall below what it needs, and when they are back.
+
+    A node lost mid-job takes its actors' and read tasks' resources with it; Ray restarts them on the nodes
+    left, and where those cannot hold them all it waits for a node to join, printing nothing
+    (docs/operating.md, "When a node dies"). Without this line the job would look hung.
+    """
+    import ray
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        short_before = False
+        while not stop.wait(period_s):
+            try:
+                totals = ray.cluster_resources()
+            except Exception:  # Ray is going away with the job: nothing left to watch
+                return
+            short = {name: amount for name, amount in needed.items() if amount > 0 and totals.get(name, 0.0) < amount}
+            if short and not short_before:
+                shown = ", ".join(
+                    f"{amount:g} {name} (the cluster has {totals.get(name, 0.0):g})" for name, amount in short.items()
+                )
+                logger.warning(
+                    "the cluster no longer holds what this job needs, %s: a node was lost. The job waits, without "
+                    "an error, until a node joins; or stop it and resubmit with the same output, whose committed "
+                    "rows are kept",
+                    shown,
+                )
+            elif short_before and not short:
+                logger.info("the cluster holds what this job needs again; it goes on")
+            short_before = bool(short)
+
+    thread = threading.Thread(target=watch, name="gpt2-batch-capacity", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=period_s + 1)
+
+
 def wait_for_resources(num_actors: int, gpus_per_actor: float, scaling: ScalingConfig) -> None:
     """Wait until the cluster has the job's CPUs and GPUs free (actors, plus one CPU to read with), at most
     scaling.wait_for_resources_s; then refuse, saying what is missing, instead of a job that waits forever.
@@ -124,7 +173,7 @@ def wait_for_resources(num_actors: int, gpus_per_actor: float, scaling: ScalingC
     """
     import ray
 
-    needed = {"CPU": num_actors * scaling.num_cpus_per_actor + 1, "GPU": num_actors * gpus_per_actor}
+    needed = job_needs(num_actors, gpus_per_actor, scaling)
     deadline = time.monotonic() + scaling.wait_for_resources_s
     said = False
     while True:
@@ -357,8 +406,9 @@ def _generate(
         # going away, or by this job's own actors as they shut down) made Ray print "The Dataset job will
         # hang unless more CPUs are freed up" on runs that then succeeded. Streaming runs neither check;
         # wait_for_resources checks what this job needs, before it starts, and says what is missing.
-        written = sum(
-            pc.sum(batch.column("rows_written")).as_py() or 0
-            for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow")
-        )
+        with capacity_watch(job_needs(num_actors, gpus_per_actor, config.scaling)):
+            written = sum(
+                pc.sum(batch.column("rows_written")).as_py() or 0
+                for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow")
+            )
     logger.info("wrote %d rows", written)
