@@ -98,7 +98,7 @@ def plan_actors(scaling: ScalingConfig) -> tuple[int, float]:
     num_cpus = ray.cluster_resources().get("CPU", 0.0)
     # Actors hold their CPUs for the whole run (and write their own rows); reading needs one more, or the job
     # waits forever.
-    if num_actors * scaling.num_cpus_per_actor + 1 > num_cpus:
+    if job_needs(num_actors, per_actor, scaling)["CPU"] > num_cpus:
         raise InputError(
             f"{num_actors} actor(s) x scaling.num_cpus_per_actor={scaling.num_cpus_per_actor} leave no CPU "
             f"of the cluster's {num_cpus:g} for reading the input; lower scaling.num_actors or num_cpus_per_actor"

@@ -134,6 +134,7 @@ def _compile_update_once(optimizer: torch.optim.Optimizer) -> None:
             for group in optimizer.param_groups:
                 if not isinstance(group["lr"], torch.Tensor):
                     raise RuntimeError("a low-bit optimizer's lr must stay a tensor: change it with set_lr")
+                beta1, beta2 = group["betas"]
                 for p in group["params"]:
                     if p.grad is None:
                         continue
@@ -144,7 +145,6 @@ def _compile_update_once(optimizer: torch.optim.Optimizer) -> None:
                         if group["amsgrad"]:
                             state["max_exp_avg_sq"] = new_buffer(p, False)
                     state["step"] += 1
-                    beta1, beta2 = group["betas"]
                     # p.detach(): torchao's way around compile's trouble with FSDP2's DTensor parameters.
                     update(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
                            state.get("max_exp_avg_sq"), group["lr"], beta1, beta2, group["weight_decay"],
